@@ -1,0 +1,66 @@
+"""fp8func: FP8 training for PyTorch as pure functions over explicit pytrees.
+
+Layers (each imports only from those above it): formats → scaling → qtensor → ops → gemm →
+autograd; the stateful shell (nn, distributed) and the Triton kernels come on top.
+
+Example:
+    >>> import torch, fp8func as f8
+    >>> q = f8.quantize(torch.randn(16, 32), f8.CastSpec(granularity=f8.AxisWise(-1)))
+    >>> y = f8.linear(torch.randn(4, 32), torch.randn(8, 32), recipe="tensorwise")
+"""
+
+from ._formats import E4M3 as E4M3
+from ._formats import E5M2 as E5M2
+from ._formats import E8M0 as E8M0
+from ._formats import fp8_max as fp8_max
+from ._formats import round_up_to_pow2 as round_up_to_pow2
+from ._formats import to_e8m0 as to_e8m0
+from ._scaling import EPS as EPS
+from ._scaling import MX as MX
+from ._scaling import AxisWise as AxisWise
+from ._scaling import BlockWise as BlockWise
+from ._scaling import CastSpec as CastSpec
+from ._scaling import Recipe as Recipe
+from ._scaling import TensorWise as TensorWise
+from ._scaling import compute_amax as compute_amax
+from ._scaling import compute_scale as compute_scale
+from ._scaling import scale_shape as scale_shape
+from ._qtensor import Fp8Meta as Fp8Meta
+from ._qtensor import Fp8Tensor as Fp8Tensor
+from ._ops import dequantize as dequantize
+from ._ops import quantize as quantize
+from ._ops import quantize_with_scale as quantize_with_scale
+from ._gemm import gemm as gemm
+from ._gemm import gemm_path as gemm_path
+from ._autograd import linear as linear
+from ._metrics import sqnr as sqnr
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "E8M0",
+    "EPS",
+    "MX",
+    "AxisWise",
+    "BlockWise",
+    "CastSpec",
+    "Fp8Meta",
+    "Fp8Tensor",
+    "Recipe",
+    "TensorWise",
+    "compute_amax",
+    "compute_scale",
+    "dequantize",
+    "fp8_max",
+    "gemm",
+    "gemm_path",
+    "linear",
+    "quantize",
+    "quantize_with_scale",
+    "round_up_to_pow2",
+    "scale_shape",
+    "sqnr",
+    "to_e8m0",
+]

@@ -1,0 +1,164 @@
+"""``linear``: the FP8 linear layer as a pure, differentiable function.
+
+Forward ``y = x @ w.T`` with x and w quantized per ``recipe.input`` / ``recipe.weight``;
+backward quantizes ``dy`` per ``recipe.grad_output`` and computes ``dx = dy @ w`` and
+``dw = dy.T @ x``, each operand cast along its own contraction axis. A cast whose granularity
+is symmetric under transposition (tensorwise, square blocks) is reused by the backward instead
+of being recomputed: the same values, bitwise, and half the saved activation memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._gemm import gemm
+from ._ops import quantize
+from ._qtensor import Fp8Meta, Fp8Tensor
+from ._scaling import BlockWise, CastSpec, Recipe, TensorWise, block_lengths
+
+__all__ = ["linear"]
+
+
+def _transpose_invariant(spec: CastSpec) -> bool:
+    """True when quantize(t.T, spec) == quantize(t, spec).T for every 2-D t."""
+    g = spec.granularity
+    square_blocks = isinstance(g, BlockWise) and len(g.block) == 2 and g.block[0] == g.block[1]
+    return isinstance(g, TensorWise) or square_blocks
+
+
+def _cast_b(t: torch.Tensor, spec: CastSpec) -> Fp8Tensor:
+    """The GEMM's b operand ``t [K, N]`` cast along its contraction axis K.
+
+    Quantizes ``t.T [N, K]`` (contraction last, as every Recipe spec is written) and transposes
+    back: a column-major ``[K, N]`` payload, which is what scaled_mm wants for b anyway.
+    """
+    return quantize(t.t(), spec).t()
+
+
+class _LinearFn(torch.autograd.Function):
+    # Outputs: y, then the payloads that the backward reuses (non-differentiable).
+
+    @staticmethod
+    def forward(x, weight, bias, recipe: Recipe):
+        x2 = x.reshape(-1, x.shape[-1])
+        qx = quantize(x2, recipe.input)
+        qw = quantize(weight, recipe.weight)  # [N, K], contraction last
+        y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path)
+        return y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, recipe = inputs
+        _, qx_data, qx_scale, qw_data, qw_scale = output
+        ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale)
+        ctx.recipe = recipe
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.reuse_x = not recipe.grad_weight_hp and _transpose_invariant(recipe.input)
+        ctx.reuse_w = recipe.grad_input_weight is None and _transpose_invariant(recipe.weight)
+        keep_x = qx_data, qx_scale
+        keep_w = qw_data, qw_scale
+        ctx.save_for_backward(
+            *(keep_x if ctx.reuse_x else (x, x)),
+            *(keep_w if ctx.reuse_w else (weight, weight)),
+        )
+
+    @staticmethod
+    def backward(ctx, dy, *_unused):
+        recipe: Recipe = ctx.recipe
+        x_a, x_b, w_a, w_b = ctx.saved_tensors
+        n = dy.shape[-1]
+        dy2 = dy.reshape(-1, n)
+        dx = dw = db = None
+        if ctx.reuse_w:
+            qw = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype))  # [N, K]
+        if ctx.needs_input_grad[0]:
+            qdy = quantize(dy2, recipe.grad_output)  # [M, N] along N
+            b = qw if ctx.reuse_w else _cast_b(w_a, recipe.weight_for_grad_input)  # [N, K] along N
+            dx = gemm(qdy, b, out_dtype=ctx.x_dtype, path=recipe.path).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            if ctx.reuse_x:
+                qx = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype))
+            x2 = x_a.reshape(-1, x_a.shape[-1]) if not ctx.reuse_x else None
+            if recipe.grad_weight_hp:
+                dw = dy2.t().to(x2.dtype) @ x2
+            else:
+                qdy_t = quantize(dy2.t(), recipe.grad_output)  # [N, M] along M
+                b = qx if ctx.reuse_x else _cast_b(x2, recipe.input)  # [M, K] along M
+                dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path)
+            dw = dw.to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, weight, bias, recipe):
+        # Per-example semantics: each example gets its own scales (a tensorwise amax over the
+        # whole batch would change the numbers), so the rule maps the function over the batch.
+        def pick(t, d, i):
+            return t if t is None or d is None else t.select(d, i)
+
+        dims = in_dims[:3]
+        outs = [
+            _LinearFn.apply(*(pick(t, d, i) for t, d in zip((x, weight, bias), dims)), recipe)
+            for i in range(info.batch_size)
+        ]
+        stacked = tuple(torch.stack(parts) for parts in zip(*outs))
+        return stacked, (0,) * len(stacked)
+
+
+def _check_gemm_shapes(recipe: Recipe, m: int, k: int, n: int) -> None:
+    """Fails in the forward, not halfway through the backward, if a cast cannot tile an operand."""
+    operands = [(recipe.input, (m, k), "input x"), (recipe.weight, (n, k), "weight w"),
+                (recipe.weight_for_grad_input, (k, n), "weight w.T (grad_input GEMM)"),
+                (recipe.grad_output, (m, n), "grad_output dy")]
+    if not recipe.grad_weight_hp:
+        operands += [(recipe.grad_output, (n, m), "grad_output dy.T (grad_weight GEMM)"),
+                     (recipe.input, (k, m), "input x.T (grad_weight GEMM)")]
+    for spec, shape, role in operands:
+        try:
+            block_lengths(spec.granularity, shape)
+        except ValueError as e:
+            raise ValueError(
+                f"linear with recipe {recipe.name!r} on M={m}, K={k}, N={n}: the {role} cast "
+                f"cannot tile its operand. {e}"
+            ) from None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    recipe: Recipe | str = "tensorwise",
+) -> torch.Tensor:
+    """FP8 drop-in for ``torch.nn.functional.linear``: ``x @ weight.T + bias``, differentiable.
+
+    Works under ``torch.func.grad`` / ``vjp`` / ``vmap`` / ``functional_call`` and
+    ``torch.compile(fullgraph=True)``.
+
+    Args:
+        x: ``[..., K]`` activations (bf16 or fp32); the output has ``x``'s dtype.
+        weight: ``[N, K]``; its gradient comes back in its own dtype (fp32 master weights stay fp32).
+        bias: optional ``[N]``, added in the output dtype.
+        recipe: a ``Recipe`` or a recipe name (``Recipe.from_name``).
+
+    Example:
+        >>> import torch, fp8func as f8
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> w = torch.randn(32, 64, requires_grad=True)
+        >>> f8.linear(x, w, recipe="rowwise").sum().backward()
+    """
+    if isinstance(recipe, str):
+        recipe = Recipe.from_name(recipe)
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"linear: recipe={recipe!r}; expected a Recipe or a recipe name such as 'tensorwise'.")
+    if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"linear: x has shape {tuple(x.shape)} and weight {tuple(weight.shape)}; expected "
+            "x [..., K] and weight [N, K]."
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"linear: bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},).")
+    _check_gemm_shapes(recipe, x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0])
+    return _LinearFn.apply(x, weight, bias, recipe)[0]

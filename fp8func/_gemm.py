@@ -1,0 +1,196 @@
+"""``gemm``: FP8 matrix product on the hardware path where one exists, emulated elsewhere.
+
+Hardware paths (``torch._scaled_mm`` / ``torch.nn.functional.scaled_mm``):
+
+* ``tensorwise``  a, b TensorWise (CUDA sm89+, and the CPU build)
+* ``rowwise``     a one scale per row, b one per column, both reduced along K; a TensorWise
+                  operand is broadcast to that form (CUDA sm89+, and the CPU build)
+* ``blockwise``   a BlockWise((1, 128)), b BlockWise((128, 128)) or BlockWise((128, 1))
+                  (CUDA sm90, torch with F.scaled_mm)
+
+Everything else (MX on Hopper, odd shapes, e5m2 x e5m2, CPU by default) runs the emulated
+path: dequantize to fp32 and matmul. Same answer up to accumulation order. ``gemm_path`` tells
+which path a call takes; a fallback to emulation on a GPU is logged once per reason.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ._formats import E4M3, E5M2
+from ._ops import dequantize
+from ._qtensor import Fp8Tensor
+from ._scaling import AxisWise, BlockWise, TensorWise, _norm_axis
+
+__all__ = ["gemm", "gemm_path", "hardware_kind"]
+
+log = logging.getLogger("fp8func")
+_logged: set[str] = set()
+
+
+def _canonical(g, ndim: int = 2):
+    """Granularity with axes made non-negative, blocks spelled out on 2 dims."""
+    if isinstance(g, AxisWise):
+        return AxisWise(_norm_axis(g.axis, ndim, g))
+    if isinstance(g, BlockWise):
+        return BlockWise((1,) * (ndim - len(g.block)) + g.block)
+    return g
+
+
+def hardware_kind(a: Fp8Tensor, b: Fp8Tensor) -> tuple[str | None, str]:
+    """The scaled-mm kind that computes ``a @ b`` from these scales, or (None, why not)."""
+    ga, gb = _canonical(a.granularity), _canonical(b.granularity)
+    if a.dtype == E5M2 and b.dtype == E5M2:
+        return None, "e5m2 x e5m2 has no FP8 tensor-core GEMM"
+    k, n = a.shape[1], b.shape[1]
+    if k % 16 or n % 16:
+        return None, f"scaled_mm needs K and N divisible by 16, got K={k}, N={n}"
+    tw, row_a, col_b = TensorWise(), AxisWise(1), AxisWise(0)
+    if ga == tw and gb == tw:
+        return "tensorwise", ""
+    if ga in (tw, row_a) and gb in (tw, col_b):
+        return "rowwise", ""
+    if ga == BlockWise((1, 128)) and gb in (BlockWise((128, 128)), BlockWise((128, 1))):
+        if a.dtype != E4M3 or b.dtype != E4M3:
+            return None, "block-wise scaled_mm takes e4m3 operands only"
+        return "blockwise", ""
+    return None, f"no scaled_mm kernel for a={a.granularity!r} x b={b.granularity!r}"
+
+
+def _device_supports(kind: str, device: torch.device) -> tuple[bool, str]:
+    if device.type == "cpu":
+        ok = kind in ("tensorwise", "rowwise")
+        return ok, "" if ok else f"the CPU build has no {kind} scaled_mm"
+    if device.type != "cuda":
+        return False, f"no scaled_mm on device {device}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return False, f"FP8 GEMMs need compute capability >= 8.9, this GPU has {cap}"
+    if kind == "blockwise" and (cap != (9, 0) or not hasattr(F, "scaled_mm")):
+        return False, f"block-wise scaled_mm needs sm90 and torch.nn.functional.scaled_mm (cap={cap})"
+    return True, ""
+
+
+@torch._dynamo.assume_constant_result
+def _log_fallback(reason: str) -> bool:
+    # Runs eagerly even under torch.compile (its result is a trace-time constant), so the log
+    # line is emitted once per reason per process, compiled or not.
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("fp8func: emulated FP8 GEMM on a GPU (%s); expect no FP8 speedup.", reason)
+    return True
+
+
+def gemm_path(a: Fp8Tensor, b: Fp8Tensor, path: str = "auto") -> str:
+    """Which path ``gemm(a, b, path=path)`` runs: ``"scaled_mm_<kind>"`` or ``"emulated"``.
+
+    Raises when ``path="hardware"`` and no hardware kernel applies, saying why.
+    """
+    _check_operands(a, b)
+    if path == "emulated":
+        return "emulated"
+    kind, why = hardware_kind(a, b)
+    ok = kind is not None
+    if ok:
+        ok, why = _device_supports(kind, a.device)
+    if path == "hardware":
+        if not ok:
+            raise ValueError(f"gemm(path='hardware'): {why}. Use path='auto' to fall back to emulation.")
+        return f"scaled_mm_{kind}"
+    if path != "auto":
+        raise ValueError(f"gemm: path={path!r}; expected 'auto', 'hardware' or 'emulated'.")
+    if a.device.type == "cpu":
+        return "emulated"  # the CPU scaled_mm is itself an emulation; the fp32 path is the reference
+    if not ok:
+        _log_fallback(why)
+        return "emulated"
+    return f"scaled_mm_{kind}"
+
+
+def _check_operands(a: Fp8Tensor, b: Fp8Tensor) -> None:
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Fp8Tensor):
+            raise TypeError(f"gemm: {name} is a {type(t).__name__}; expected an Fp8Tensor (from fp8func.quantize).")
+        if t.ndim != 2:
+            raise ValueError(f"gemm: {name} has shape {tuple(t.shape)}; expected 2 dims ([M, K] and [K, N]).")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"gemm: a is {tuple(a.shape)} and b is {tuple(b.shape)}; inner dims must match (a: [M, K], b: [K, N])."
+        )
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(0) == 1 and t.ndim == 2 else t.t().contiguous().t()
+
+
+def _rowwise_scales(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n = a.shape[0], b.shape[1]
+    sa = a.scale.expand(m, 1).contiguous()
+    sb = b.scale.expand(1, n).contiguous()
+    return sa, sb
+
+
+def _scaled_mm(kind: str, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    da, db = _row_major(a.data), _col_major(b.data)
+    if kind == "tensorwise":
+        return torch._scaled_mm(da, db, scale_a=a.scale.reshape(()), scale_b=b.scale.reshape(()),
+                                out_dtype=out_dtype)
+    if kind == "rowwise":
+        sa, sb = _rowwise_scales(a, b)
+        if a.device.type == "cuda" and out_dtype != torch.bfloat16:
+            # sm90 row-wise kernels write bf16 only; the cast is the one extra rounding.
+            return torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).to(out_dtype)
+        return torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    # blockwise: a scales [M, K/128] outer-dim-major; b scales K-major, K-blocks padded to 4.
+    S = F.ScalingType
+    sa = _col_major(a.scale)
+    if _canonical(b.granularity) == BlockWise((128, 128)):
+        sb, recipe_b = _pad_k_blocks(b.scale), S.BlockWise128x128
+    else:  # (128, 1) blocks on [K, N]: scales [K/128, N] given to cuBLAS as [N, K/128] col-major
+        sb, recipe_b = b.scale.contiguous().t(), S.BlockWise1x128
+    return F.scaled_mm(da, db, sa, S.BlockWise1x128, sb, recipe_b, output_dtype=out_dtype)
+
+
+def _pad_k_blocks(scale: torch.Tensor) -> torch.Tensor:
+    kb, nb = scale.shape
+    kb_pad = (kb + 3) // 4 * 4
+    if kb_pad == kb:
+        return _col_major(scale)
+    padded = scale.new_ones((nb, kb_pad)).t()  # K-major storage, as cuBLASLt's layout wants
+    padded[:kb] = scale
+    return padded
+
+
+def gemm(
+    a: Fp8Tensor,
+    b: Fp8Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    bias: torch.Tensor | None = None,
+    path: str = "auto",
+) -> torch.Tensor:
+    """``a @ b`` for FP8 operands ``a [M, K]`` and ``b [K, N]``, returned in ``out_dtype``.
+
+    ``path``: "auto" (hardware where it exists, else emulated, logged once on a GPU),
+    "hardware" (raise if none) or "emulated" (fp32 dequantize + matmul). See ``gemm_path``.
+
+    Example:
+        >>> import torch, fp8func as f8
+        >>> a = f8.quantize(torch.randn(32, 64), f8.CastSpec())
+        >>> b = f8.quantize(torch.randn(16, 64), f8.CastSpec()).t()
+        >>> f8.gemm(a, b, out_dtype=torch.float32).shape
+        torch.Size([32, 16])
+    """
+    chosen = gemm_path(a, b, path)
+    if chosen == "emulated":
+        y = (dequantize(a, torch.float32) @ dequantize(b, torch.float32)).to(out_dtype)
+    else:
+        y = _scaled_mm(chosen.removeprefix("scaled_mm_"), a, b, out_dtype)
+    return y if bias is None else y + bias.to(out_dtype)

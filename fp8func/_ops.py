@@ -1,0 +1,108 @@
+"""Pure quantize / dequantize: the obviously-right twins every fast kernel is tested against."""
+
+from __future__ import annotations
+
+import torch
+
+from ._formats import saturate_cast
+from ._qtensor import Fp8Meta, Fp8Tensor
+from ._scaling import (
+    CastSpec,
+    block_lengths,
+    compute_amax,
+    compute_scale,
+    expand_scale,
+    merge_groups,
+    scale_shape,
+    split_groups,
+)
+
+__all__ = ["quantize", "quantize_with_scale", "dequantize"]
+
+
+def _check_hp(x: torch.Tensor, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}.")
+    if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(
+            f"{what}: expected a high-precision floating tensor (fp32/bf16/fp16), got dtype={x.dtype}."
+        )
+
+
+def _check_finite(x: torch.Tensor) -> None:
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "quantize(..., check_finite=True) reads the tensor on the host and cannot run under "
+            "torch.compile; call it eagerly (it is a debugging aid) or drop check_finite."
+        )
+    bad = ~torch.isfinite(x)
+    n_bad = int(bad.sum())
+    if n_bad:
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"quantize: input of shape {tuple(x.shape)} has {n_bad} non-finite value(s), first "
+            f"{x[first].item()} at index {first}. A NaN/inf makes its scale group NaN. Find where "
+            "it comes from (e.g. torch.autograd.detect_anomaly), or quantize with check_finite=False "
+            "to let it propagate."
+        )
+
+
+def _apply_scale(x: torch.Tensor, factor: torch.Tensor, blocks) -> torch.Tensor:
+    """``x * factor`` with ``factor`` broadcast over its groups, in fp32."""
+    x = x.float()
+    if all(b is None or b == 1 for b in blocks):
+        return x * factor  # scale has the data's rank with 1s where it spans: plain broadcast
+    return merge_groups(split_groups(x, blocks) * expand_scale(factor))
+
+
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, spec: CastSpec) -> Fp8Tensor:
+    """Casts ``x`` to FP8 with given dequantization scales (e.g. a mesh-reduced or delayed scale).
+
+    ``data = saturate(x * (1 / scale))``; see ``fp8func._scaling`` for why the reciprocal.
+    """
+    _check_hp(x, "quantize_with_scale")
+    blocks = block_lengths(spec.granularity, tuple(x.shape))
+    want = scale_shape(spec.granularity, tuple(x.shape))
+    if tuple(scale.shape) != want or scale.dtype != torch.float32:
+        raise ValueError(
+            f"quantize_with_scale: scale has shape {tuple(scale.shape)} and dtype {scale.dtype}; "
+            f"{spec.granularity!r} on shape {tuple(x.shape)} needs float32 scales of shape {want}."
+        )
+    data = saturate_cast(_apply_scale(x, torch.reciprocal(scale), blocks), spec.dtype)
+    return Fp8Tensor(data, scale, Fp8Meta(spec, x.dtype))
+
+
+def quantize(x: torch.Tensor, spec: CastSpec, *, check_finite: bool = False) -> Fp8Tensor:
+    """Quantizes ``x`` to FP8 with scales computed from its own amax (dynamic scaling).
+
+    ``scale = max(amax, EPS) / fp8_max`` per group (rounded up to a power of two when
+    ``spec.pow2_scales``), ``data = saturate(x / scale)``. Values beyond the range saturate at
+    ±fp8_max, never inf. A NaN or inf in a group makes that group's scale non-finite, so the
+    whole group dequantizes to NaN: bad values are never hidden. ``check_finite=True`` raises
+    instead (eager only).
+
+    Example:
+        >>> import torch, fp8func as f8
+        >>> q = f8.quantize(torch.tensor([[1.0, -2.0], [0.5, 448.0]]), f8.CastSpec())
+        >>> f8.dequantize(q, dtype=torch.float32)
+        tensor([[  1.,  -2.],
+                [  0.5, 448.]])
+    """
+    _check_hp(x, "quantize")
+    if not isinstance(spec, CastSpec):
+        raise TypeError(f"quantize: spec={spec!r} is not a CastSpec; e.g. fp8func.CastSpec(dtype=fp8func.E4M3).")
+    if check_finite:
+        _check_finite(x)
+    scale = compute_scale(compute_amax(x, spec.granularity), spec.dtype, spec.pow2_scales)
+    return quantize_with_scale(x, scale, spec)
+
+
+def dequantize(q: Fp8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``q.data.float() * q.scale`` (broadcast per granularity), cast to ``dtype``.
+
+    ``dtype`` defaults to the dtype the tensor was quantized from.
+    """
+    if not isinstance(q, Fp8Tensor):
+        raise TypeError(f"dequantize: expected an Fp8Tensor, got {type(q).__name__}.")
+    out = _apply_scale(q.data, q.scale, q.blocks)
+    return out.to(q.meta.orig_dtype if dtype is None else dtype)

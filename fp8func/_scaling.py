@@ -1,0 +1,332 @@
+"""Static scaling metadata (granularities, CastSpec, Recipe) and the amax → scale math.
+
+The one scale convention of fp8func: a **dequantization** scale,
+
+    scale = max(amax, EPS) / fp8_max          (rounded up to a power of two if asked)
+    data  = saturate(x * (1 / scale))         (the reciprocal is computed once, in fp32)
+    x    ≈ data.float() * scale               (what ``torch._scaled_mm`` takes as scale_a/b)
+
+Multiplying by the reciprocal instead of dividing makes every implementation (eager, inductor,
+our Triton kernels) round identically: an fp32 multiply is correctly rounded everywhere, a
+Triton fp32 division is not.
+
+A granularity says which elements share a scale. It is expressed per dimension as a *block
+length*: ``None`` means "the whole dimension" (one group along it), an int ``b`` means groups
+of ``b`` consecutive elements. The scale tensor always has the data's rank, with
+``scale.shape[i] == 1`` for whole dimensions and ``data.shape[i] // b`` otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Union
+
+import einops
+import torch
+
+from ._formats import E4M3, E5M2, check_fp8_dtype, fp8_max, round_up_to_pow2
+
+__all__ = [
+    "EPS",
+    "TensorWise",
+    "AxisWise",
+    "BlockWise",
+    "MX",
+    "Granularity",
+    "CastSpec",
+    "Recipe",
+    "block_lengths",
+    "scale_shape",
+    "transpose_granularity",
+    "compute_amax",
+    "compute_scale",
+    "split_groups",
+    "merge_groups",
+    "expand_scale",
+]
+
+# amax floor: an all-zero group gets scale EPS / fp8_max (finite, normal) and quantizes to zeros.
+# Small enough to never bind for real activations, large enough that 1/scale stays finite.
+EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class TensorWise:
+    """One scale for the whole tensor."""
+
+
+@dataclass(frozen=True)
+class AxisWise:
+    """One scale per slice reduced along ``axis``: for ``[M, K]``, ``axis=-1`` is one per row."""
+
+    axis: int = -1
+
+
+@dataclass(frozen=True)
+class BlockWise:
+    """One scale per block of shape ``block`` over the trailing ``len(block)`` dimensions.
+
+    ``BlockWise((1, 128))`` is DeepSeek-style activation scaling, ``BlockWise((128, 128))``
+    weight scaling. Leading dimensions (if the tensor has more) get blocks of 1.
+    """
+
+    block: tuple[int, ...]
+
+    def __post_init__(self):
+        if not isinstance(self.block, tuple) or not self.block or not all(
+            isinstance(b, int) and b > 0 for b in self.block
+        ):
+            raise ValueError(
+                f"BlockWise(block={self.block!r}) needs a non-empty tuple of positive ints, "
+                "e.g. BlockWise((1, 128)) or BlockWise((128, 128))."
+            )
+
+
+@dataclass(frozen=True)
+class MX:
+    """OCP MX scaling: blocks of ``block`` elements along ``axis`` with power-of-two scales.
+
+    Scales are ``2**ceil(log2(amax / fp8_max))`` (the round-up rule that never saturates the
+    block maximum), always representable as e8m0 (see ``fp8func.to_e8m0``).
+    """
+
+    block: int = 32
+    axis: int = -1
+
+    def __post_init__(self):
+        if not isinstance(self.block, int) or self.block <= 0:
+            raise ValueError(f"MX(block={self.block!r}) needs a positive int block, e.g. MX(block=32).")
+
+
+Granularity = Union[TensorWise, AxisWise, BlockWise, MX]
+_GRANULARITIES = (TensorWise, AxisWise, BlockWise, MX)
+
+
+def _norm_axis(axis: int, ndim: int, owner: object) -> int:
+    # ``owner`` is formatted only when raising: repr() on the hot path would be traced by dynamo.
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{owner!r}: axis={axis} is out of range for a tensor with {ndim} dims.")
+    return axis % ndim
+
+
+def block_lengths(granularity: Granularity, shape: tuple[int, ...]) -> tuple[int | None, ...]:
+    """Per-dimension block lengths of ``granularity`` on a tensor of ``shape``.
+
+    ``None`` means the whole dimension. Raises if a block does not divide the shape.
+    """
+    shape = tuple(shape)
+    ndim = len(shape)
+    if isinstance(granularity, TensorWise):
+        return (None,) * ndim
+    if isinstance(granularity, AxisWise):
+        axis = _norm_axis(granularity.axis, ndim, granularity)
+        return tuple(None if i == axis else 1 for i in range(ndim))
+    if isinstance(granularity, MX):
+        axis = _norm_axis(granularity.axis, ndim, granularity)
+        blocks = tuple(granularity.block if i == axis else 1 for i in range(ndim))
+    elif isinstance(granularity, BlockWise):
+        if len(granularity.block) > ndim:
+            raise ValueError(
+                f"{granularity!r} has {len(granularity.block)} block dims but the tensor of "
+                f"shape {shape} has only {ndim}."
+            )
+        blocks = (1,) * (ndim - len(granularity.block)) + granularity.block
+    else:
+        raise TypeError(
+            f"granularity={granularity!r} is not one of TensorWise, AxisWise, BlockWise, MX."
+        )
+    for d, b in zip(shape, blocks):
+        if d % b:
+            raise ValueError(
+                f"{granularity!r} does not divide a tensor of shape {shape}: dimension of size "
+                f"{d} is not a multiple of block {b}. Pad the tensor, or keep this layer out of "
+                "FP8 (convert(..., filter=...)), or choose a block that divides it."
+            )
+    return blocks
+
+
+def scale_shape(granularity: Granularity, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the scale tensor for ``granularity`` on a tensor of ``shape`` (same rank)."""
+    return tuple(1 if b is None else d // b for d, b in zip(shape, block_lengths(granularity, shape)))
+
+
+def transpose_granularity(granularity: Granularity, ndim: int, dim0: int, dim1: int) -> Granularity:
+    """The granularity that describes the same groups after ``transpose(dim0, dim1)``."""
+    dim0, dim1 = _norm_axis(dim0, ndim, "transpose"), _norm_axis(dim1, ndim, "transpose")
+    swap = {dim0: dim1, dim1: dim0}
+    if isinstance(granularity, TensorWise):
+        return granularity
+    if isinstance(granularity, (AxisWise, MX)):
+        axis = _norm_axis(granularity.axis, ndim, granularity)
+        return dataclasses.replace(granularity, axis=swap.get(axis, axis))
+    # BlockWise: spell out every dim, swap, and drop leading ones to keep the short form.
+    full = [1] * (ndim - len(granularity.block)) + list(granularity.block)
+    full[dim0], full[dim1] = full[dim1], full[dim0]
+    while len(full) > 1 and full[0] == 1:
+        full.pop(0)
+    return BlockWise(tuple(full))
+
+
+def _patterns(ndim: int) -> tuple[str, str, str]:
+    """einops patterns: a dim split into (groups, block), the grouped layout, groups only."""
+    flat = " ".join(f"(g{i} b{i})" for i in range(ndim))
+    split = " ".join(f"g{i} b{i}" for i in range(ndim))
+    groups = " ".join(f"g{i}" for i in range(ndim))
+    return flat, split, groups
+
+
+def _block_sizes(shape: tuple[int, ...], blocks: tuple[int | None, ...]) -> dict[str, int]:
+    return {f"b{i}": (d if b is None else b) for i, (d, b) in enumerate(zip(shape, blocks))}
+
+
+def split_groups(x: torch.Tensor, blocks: tuple[int | None, ...]) -> torch.Tensor:
+    """View ``x`` as ``[g0, b0, g1, b1, ...]``: each dim split into (groups, block)."""
+    flat, split, _ = _patterns(x.ndim)
+    return einops.rearrange(x, f"{flat} -> {split}", **_block_sizes(tuple(x.shape), blocks))
+
+
+def merge_groups(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``split_groups``."""
+    flat, split, _ = _patterns(x.ndim // 2)
+    return einops.rearrange(x, f"{split} -> {flat}")
+
+
+def expand_scale(scale: torch.Tensor) -> torch.Tensor:
+    """View a scale ``[g0, g1, ...]`` as ``[g0, 1, g1, 1, ...]`` to broadcast over ``split_groups``."""
+    _, _, groups = _patterns(scale.ndim)
+    unit = " ".join(f"g{i} 1" for i in range(scale.ndim))
+    return einops.rearrange(scale, f"{groups} -> {unit}")
+
+
+def compute_amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """Per-group ``max(|x|)`` in fp32, shaped like the scale. NaN propagates into its group."""
+    shape = tuple(x.shape)
+    blocks = block_lengths(granularity, shape)
+    if x.numel() == 0:
+        return x.new_zeros(scale_shape(granularity, shape), dtype=torch.float32)
+    if x.ndim == 0:
+        return x.abs().float()
+    flat, _, groups = _patterns(x.ndim)
+    return einops.reduce(x.abs(), f"{flat} -> {groups}", "max", **_block_sizes(shape, blocks)).float()
+
+
+def compute_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> torch.Tensor:
+    """Dequantization scale from amax: ``max(amax, EPS) / fp8_max``, optionally rounded up to 2**k."""
+    scale = amax.float().clamp(min=EPS) / fp8_max(dtype)
+    return round_up_to_pow2(scale) if power_of_2 else scale
+
+
+@dataclass(frozen=True, init=False)
+class CastSpec:
+    """How one operand is cast to FP8: element dtype, scale granularity, power-of-two scales.
+
+    Frozen and hashable, so it can be static metadata (a pytree aux field, a compile guard).
+
+    Example:
+        >>> import fp8func as f8
+        >>> spec = f8.CastSpec(dtype=f8.E4M3, granularity=f8.AxisWise(-1), power_of_2=True)
+    """
+
+    dtype: torch.dtype
+    granularity: Granularity
+    power_of_2: bool
+
+    def __init__(self, dtype: torch.dtype = E4M3, granularity: Granularity | None = None,
+                 power_of_2: bool = False):
+        # Hand-written so that CastSpec() also builds inside torch.compile: dynamo cannot read
+        # the default objects a generated dataclass __init__ closes over.
+        granularity = TensorWise() if granularity is None else granularity
+        check_fp8_dtype(dtype)
+        if not isinstance(granularity, _GRANULARITIES):
+            raise TypeError(
+                f"CastSpec(granularity={granularity!r}): expected an instance of "
+                "TensorWise, AxisWise, BlockWise or MX, e.g. fp8func.AxisWise(axis=-1)."
+            )
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "granularity", granularity)
+        object.__setattr__(self, "power_of_2", bool(power_of_2))
+
+    @property
+    def pow2_scales(self) -> bool:
+        """True when scales are powers of two: asked for, or implied by MX."""
+        return self.power_of_2 or isinstance(self.granularity, MX)
+
+    def with_granularity(self, granularity: Granularity) -> "CastSpec":
+        return dataclasses.replace(self, granularity=granularity)
+
+
+PATHS = ("auto", "hardware", "emulated")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Casts for the three GEMMs of a linear layer.
+
+    Each spec describes its operand laid out as ``[other, contraction]`` (contraction axis last),
+    whichever GEMM it feeds: ``input`` is ``x [M, K]`` in the forward and ``x.T [K, M]`` in the
+    grad_weight GEMM; ``weight`` is ``w [N, K]`` forward and ``w.T [K, N]`` in grad_input;
+    ``grad_output`` is ``dy [M, N]`` in grad_input and ``dy.T [N, M]`` in grad_weight. So
+    ``AxisWise(-1)`` always means "one scale per row, reduced along the contraction axis", and a
+    granularity that is symmetric under transposition (tensorwise, square blocks) lets the
+    backward reuse the forward's quantized tensor.
+
+    Attributes:
+        input, weight, grad_output: the three casts (E4M3, E4M3 and E5M2 by default).
+        grad_input_weight: an override for the weight cast in the grad_input GEMM (None: same).
+        grad_weight_hp: compute grad_weight = dy.T @ x in high precision.
+        path: "auto" (hardware GEMM where one exists), "hardware" or "emulated".
+        name: a label for reports.
+    """
+
+    input: CastSpec = dataclasses.field(default_factory=lambda: CastSpec(E4M3))
+    weight: CastSpec = dataclasses.field(default_factory=lambda: CastSpec(E4M3))
+    grad_output: CastSpec = dataclasses.field(default_factory=lambda: CastSpec(E5M2))
+    grad_input_weight: CastSpec | None = None
+    grad_weight_hp: bool = False
+    path: str = "auto"
+    name: str = "custom"
+
+    def __post_init__(self):
+        for role in ("input", "weight", "grad_output"):
+            if not isinstance(getattr(self, role), CastSpec):
+                raise TypeError(f"Recipe.{role}={getattr(self, role)!r} is not a CastSpec.")
+        if self.path not in PATHS:
+            raise ValueError(f"Recipe(path={self.path!r}): expected one of {PATHS}.")
+
+    @staticmethod
+    def from_name(name: str, **overrides) -> "Recipe":
+        """A named recipe: "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8".
+
+        Keyword overrides replace fields, e.g. ``Recipe.from_name("rowwise", path="emulated")``.
+        """
+        if name not in _NAMED_RECIPES:
+            raise ValueError(
+                f"Recipe.from_name({name!r}): unknown recipe; expected one of {tuple(_NAMED_RECIPES)}."
+            )
+        recipe = _NAMED_RECIPES[name]  # prebuilt: torch.compile reads it as a constant
+        return dataclasses.replace(recipe, **overrides) if overrides else recipe
+
+    @property
+    def weight_for_grad_input(self) -> CastSpec:
+        return self.grad_input_weight if self.grad_input_weight is not None else self.weight
+
+
+def _named_recipes() -> dict[str, Recipe]:
+    row = CastSpec(E4M3, AxisWise(-1), power_of_2=True)  # torchao's ROWWISE: e4m3, 2**k scales
+    act_block = CastSpec(E4M3, BlockWise((1, 128)))
+    mx = CastSpec(E4M3, MX(32))
+    return {
+        "tensorwise": Recipe(CastSpec(E4M3), CastSpec(E4M3), CastSpec(E5M2), name="tensorwise"),
+        "rowwise": Recipe(row, row, row, name="rowwise"),
+        # Row-wise forward; grad_input with a tensorwise weight (no column-wise re-cast of the
+        # weight); grad_weight in high precision.
+        "rowwise_with_gw_hp": Recipe(row, row, row, grad_input_weight=CastSpec(E4M3, TensorWise(), True),
+                                     grad_weight_hp=True, name="rowwise_with_gw_hp"),
+        # DeepSeek-V3: 1x128 activations and gradients, 128x128 weights, e4m3 everywhere.
+        "blockwise": Recipe(act_block, CastSpec(E4M3, BlockWise((128, 128))), act_block, name="blockwise"),
+        "mxfp8": Recipe(mx, mx, mx, name="mxfp8"),
+    }
+
+
+_NAMED_RECIPES = _named_recipes()

@@ -1,0 +1,39 @@
+"""Timing helpers: CUDA events, warm-up, median of many runs."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import sys
+from typing import Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) -> float:
+    """Median wall time of ``fn`` in milliseconds, timed with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def environment() -> dict[str, str]:
+    """What a reader needs to reproduce a figure: command, device, versions, date."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {
+        "command": " ".join(["python"] + sys.argv),
+        "device": device,
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }

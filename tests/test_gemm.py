@@ -1,0 +1,118 @@
+"""gemm: emulated path against float64, hardware path (CPU scaled_mm) against emulated."""
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fp8func as f8
+from fp8func import _gemm
+
+from .strategies import tensors
+
+PAIRS = {  # (a granularity on [M, K], b granularity on [K, N])
+    "tensorwise": (f8.TensorWise(), f8.TensorWise()),
+    "rowwise": (f8.AxisWise(-1), f8.AxisWise(0)),
+    "row_x_tensor": (f8.AxisWise(-1), f8.TensorWise()),
+    "block_1x128_128x128": (f8.BlockWise((1, 128)), f8.BlockWise((128, 128))),
+    "block_1x128_128x1": (f8.BlockWise((1, 128)), f8.BlockWise((128, 1))),
+    "mx": (f8.MX(32), f8.MX(32, axis=0)),
+}
+
+
+def _operands(m, k, n, pair, dtype_a=f8.E4M3, dtype_b=f8.E4M3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a_hp = torch.randn(m, k, generator=g)
+    b_hp = torch.randn(k, n, generator=g)
+    ga, gb = PAIRS[pair]
+    return a_hp, b_hp, f8.quantize(a_hp, f8.CastSpec(dtype_a, ga)), f8.quantize(b_hp, f8.CastSpec(dtype_b, gb))
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_emulated_is_exact_product_of_dequantized(pair):
+    a_hp, b_hp, a, b = _operands(256, 256, 128, pair)
+    y = f8.gemm(a, b, out_dtype=torch.float32, path="emulated")
+    ref = f8.dequantize(a, torch.float64) @ f8.dequantize(b, torch.float64)
+    assert f8.sqnr(ref, y) > 120  # fp32 accumulation of exactly representable products
+    assert f8.sqnr(a_hp.double() @ b_hp.double(), y) > 24
+
+
+@pytest.mark.parametrize("pair", ["tensorwise", "rowwise", "row_x_tensor"])
+@pytest.mark.parametrize("dtypes", [(f8.E4M3, f8.E4M3), (f8.E5M2, f8.E4M3), (f8.E4M3, f8.E5M2)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_hardware_path_matches_emulated_on_cpu(pair, dtypes, out_dtype):
+    _, _, a, b = _operands(64, 96, 48, pair, *dtypes)
+    assert f8.gemm_path(a, b, "hardware") == f"scaled_mm_{'tensorwise' if pair == 'tensorwise' else 'rowwise'}"
+    hw = f8.gemm(a, b, out_dtype=out_dtype, path="hardware")
+    em = f8.gemm(a, b, out_dtype=out_dtype, path="emulated")
+    assert hw.dtype == em.dtype == out_dtype
+    torch.testing.assert_close(hw, em, rtol=1e-5 if out_dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
+def test_b_operand_in_any_layout():
+    _, b_hp, a, _ = _operands(32, 64, 32, "rowwise")
+    b_row = f8.quantize(b_hp.contiguous(), f8.CastSpec(granularity=f8.AxisWise(0)))
+    b_col = f8.quantize(b_hp.t().contiguous(), f8.CastSpec(granularity=f8.AxisWise(-1))).t()
+    assert torch.equal(b_row.data.view(torch.uint8), b_col.data.view(torch.uint8))
+    for b in (b_row, b_col):
+        torch.testing.assert_close(f8.gemm(a, b, torch.float32, path="hardware"),
+                                   f8.gemm(a, b, torch.float32, path="emulated"), rtol=1e-5, atol=1e-5)
+
+
+def test_bias_is_added_in_out_dtype():
+    _, _, a, b = _operands(16, 32, 16, "tensorwise")
+    bias = torch.randn(16)
+    y = f8.gemm(a, b, torch.bfloat16, bias=bias, path="emulated")
+    assert torch.equal(y, f8.gemm(a, b, torch.bfloat16, path="emulated") + bias.bfloat16())
+
+
+def test_path_selection_on_cpu():
+    _, _, a, b = _operands(32, 128, 128, "tensorwise")
+    assert f8.gemm_path(a, b) == "emulated"  # auto on CPU: the fp32 reference
+    assert f8.gemm_path(a, b, "emulated") == "emulated"
+    _, _, a, b = _operands(128, 128, 128, "block_1x128_128x128")
+    with pytest.raises(ValueError, match="the CPU build has no blockwise scaled_mm"):
+        f8.gemm_path(a, b, "hardware")
+    _, _, a, b = _operands(32, 64, 64, "mx")
+    with pytest.raises(ValueError, match=r"no scaled_mm kernel for a=MX\(block=32, axis=-1\)"):
+        f8.gemm_path(a, b, "hardware")
+
+
+def test_hardware_kind_reasons():
+    _, _, a, b = _operands(32, 40, 64, "tensorwise")
+    assert _gemm.hardware_kind(a, b) == (None, "scaled_mm needs K and N divisible by 16, got K=40, N=64")
+    _, _, a, b = _operands(32, 64, 64, "tensorwise", f8.E5M2, f8.E5M2)
+    assert _gemm.hardware_kind(a, b)[1] == "e5m2 x e5m2 has no FP8 tensor-core GEMM"
+    assert f8.gemm(a, b, torch.float32).shape == (32, 64)  # still computable: emulated
+
+
+def test_fallback_logged_once_per_reason(caplog):
+    _gemm._logged.discard("test reason")
+    with caplog.at_level(logging.WARNING, logger="fp8func"):
+        _gemm._log_fallback("test reason")
+        _gemm._log_fallback("test reason")
+    hits = [r for r in caplog.records if "test reason" in r.getMessage()]
+    assert len(hits) == 1 and "emulated FP8 GEMM on a GPU" in hits[0].getMessage()
+
+
+@given(m=st.integers(1, 40), kq=st.integers(1, 4), nq=st.integers(1, 4), seed=st.integers(0, 2**20),
+       pair=st.sampled_from(["tensorwise", "rowwise", "row_x_tensor"]))
+def test_hardware_vs_emulated_random_shapes(m, kq, nq, seed, pair):
+    _, _, a, b = _operands(m, 16 * kq, 16 * nq, pair, seed=seed)
+    torch.testing.assert_close(f8.gemm(a, b, torch.float32, path="hardware"),
+                               f8.gemm(a, b, torch.float32, path="emulated"), rtol=1e-5, atol=1e-4)
+
+
+def test_operand_errors():
+    _, _, a, b = _operands(16, 32, 16, "tensorwise")
+    with pytest.raises(TypeError, match="b is a Tensor; expected an Fp8Tensor"):
+        f8.gemm(a, torch.randn(32, 16))
+    with pytest.raises(ValueError, match=r"a is \(16, 32\) and b is \(16, 32\); inner dims must match"):
+        f8.gemm(a, b.t())
+    with pytest.raises(ValueError, match="path='fast'; expected 'auto', 'hardware' or 'emulated'"):
+        f8.gemm(a, b, path="fast")
+    q3 = f8.quantize(torch.randn(2, 16, 32), f8.CastSpec())
+    with pytest.raises(ValueError, match=r"a has shape \(2, 16, 32\); expected 2 dims"):
+        f8.gemm(q3, b)

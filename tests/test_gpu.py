@@ -1,0 +1,106 @@
+"""GPU evidence: the hardware FP8 GEMMs agree with the emulated path; CUDA casts equal CPU casts.
+
+Marked ``gpu``: skipped (with the reason shown) where no FP8-capable CUDA GPU is visible.
+"""
+
+import logging
+
+import pytest
+import torch
+
+import fp8func as f8
+from fp8func import _gemm
+
+pytestmark = pytest.mark.gpu
+
+HW_PAIRS = [  # (a granularity [M, K], b granularity [K, N], dtype a, dtype b, expected kind)
+    (f8.TensorWise(), f8.TensorWise(), f8.E4M3, f8.E4M3, "tensorwise"),
+    (f8.TensorWise(), f8.TensorWise(), f8.E5M2, f8.E4M3, "tensorwise"),
+    (f8.TensorWise(), f8.TensorWise(), f8.E4M3, f8.E5M2, "tensorwise"),
+    (f8.AxisWise(-1), f8.AxisWise(0), f8.E4M3, f8.E4M3, "rowwise"),
+    (f8.AxisWise(-1), f8.TensorWise(), f8.E4M3, f8.E4M3, "rowwise"),
+    (f8.BlockWise((1, 128)), f8.BlockWise((128, 128)), f8.E4M3, f8.E4M3, "blockwise"),
+    (f8.BlockWise((1, 128)), f8.BlockWise((128, 1)), f8.E4M3, f8.E4M3, "blockwise"),
+]
+SHAPES = [(256, 512, 384), (1024, 1024, 2048), (384, 640, 256)]  # (M, K, N); K/128 = 5 exercises padding
+
+
+def _ids(p):
+    return f"{p[4]}-{p[0]!r}-{p[1]!r}-{p[2]}-{p[3]}".replace(" ", "")
+
+
+@pytest.mark.parametrize("pair", HW_PAIRS, ids=_ids)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_hardware_matches_emulated(pair, shape, out_dtype):
+    ga, gb, da, db, kind = pair
+    m, k, n = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = f8.quantize(torch.randn(m, k, device="cuda", generator=g), f8.CastSpec(da, ga))
+    # b is cast along K the way linear does it: quantize [N, K] row-major, then transpose.
+    gb_t = f8.AxisWise(-1) if gb == f8.AxisWise(0) else (f8.BlockWise((1, 128)) if gb == f8.BlockWise((128, 1)) else gb)
+    b = f8.quantize(torch.randn(n, k, device="cuda", generator=g), f8.CastSpec(db, gb_t)).t()
+    assert b.granularity == gb
+    assert f8.gemm_path(a, b) == f"scaled_mm_{kind}"
+    hw = f8.gemm(a, b, out_dtype)
+    em = f8.gemm(a, b, out_dtype, path="emulated")
+    assert hw.dtype == out_dtype
+    ref = f8.dequantize(a, torch.float64) @ f8.dequantize(b, torch.float64)
+    # Same products, other accumulation order (and the output rounding).
+    floor = 45 if out_dtype == torch.bfloat16 else 80
+    assert f8.sqnr(ref, hw) > floor, (f8.sqnr(ref, hw), f8.sqnr(ref, em))
+    assert f8.sqnr(ref, em) > floor
+
+
+@pytest.mark.parametrize("g", [f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(0), f8.BlockWise((1, 128)),
+                               f8.BlockWise((128, 128)), f8.MX(32)], ids=repr)
+@pytest.mark.parametrize("dtype", [f8.E4M3, f8.E5M2])
+@pytest.mark.parametrize("p2", [False, True])
+def test_cuda_quantize_bitwise_equals_cpu_and_compiled(g, dtype, p2):
+    spec = f8.CastSpec(dtype, g, p2)
+    x = torch.randn(512, 1024) * 3
+    x[3, 5] = 1e4  # an outlier that saturates nothing but sets a scale
+    cpu = f8.quantize(x, spec)
+    gpu = f8.quantize(x.cuda(), spec)
+    torch._dynamo.reset()
+    comp = torch.compile(lambda t: f8.quantize(t, spec), fullgraph=True)(x.cuda())
+    for q in (gpu, comp):
+        assert torch.equal(q.data.view(torch.uint8).cpu(), cpu.data.view(torch.uint8))
+        assert torch.equal(q.scale.cpu(), cpu.scale)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_linear_on_gpu_hardware_vs_emulated(recipe, compiled):
+    torch._dynamo.reset()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4, 256, 512, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(1024, 512, device="cuda", generator=g) / 512**0.5)
+    dy = torch.randn(4, 256, 1024, device="cuda", generator=g).bfloat16()
+
+    def run(path):
+        r = f8.Recipe.from_name(recipe, path=path)
+        fn = lambda x, w: f8.linear(x, w, recipe=r)  # noqa: E731
+        fn = torch.compile(fn, fullgraph=True) if compiled else fn
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xx, ww)
+        y.backward(dy)
+        return y, xx.grad, ww.grad
+
+    auto, emulated = run("auto"), run("emulated")
+    for a, e in zip(auto, emulated):
+        assert torch.isfinite(a).all()
+        assert f8.sqnr(e, a) > 35, f8.sqnr(e, a)  # bf16 outputs of the same fp8 products
+
+
+def test_mx_on_hopper_falls_back_loudly(caplog):
+    cap = torch.cuda.get_device_capability()
+    if cap >= (10, 0):
+        pytest.skip("Blackwell has MX GEMMs; the fallback is a Hopper behaviour")
+    a = f8.quantize(torch.randn(128, 256, device="cuda"), f8.CastSpec(granularity=f8.MX(32)))
+    b = f8.quantize(torch.randn(64, 256, device="cuda"), f8.CastSpec(granularity=f8.MX(32))).t()
+    _gemm._logged.clear()
+    with caplog.at_level(logging.WARNING, logger="fp8func"):
+        assert f8.gemm_path(a, b) == "emulated"
+        f8.gemm(a, b)
+    assert sum("emulated FP8 GEMM on a GPU" in r.getMessage() for r in caplog.records) == 1
