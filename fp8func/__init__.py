@@ -25,11 +25,14 @@ from ._scaling import TensorWise as TensorWise
 from ._scaling import compute_amax as compute_amax
 from ._scaling import compute_scale as compute_scale
 from ._scaling import scale_shape as scale_shape
+from ._sharding import Sharding as Sharding
+from ._sharding import reduce_amax as reduce_amax
 from ._qtensor import Fp8Meta as Fp8Meta
 from ._qtensor import Fp8Tensor as Fp8Tensor
 from ._ops import dequantize as dequantize
 from ._ops import quantize as quantize
 from ._ops import quantize_with_scale as quantize_with_scale
+from ._collectives import all_gather as all_gather
 from ._gemm import gemm as gemm
 from ._gemm import gemm_path as gemm_path
 from ._autograd import linear as linear
@@ -49,7 +52,9 @@ __all__ = [
     "Fp8Meta",
     "Fp8Tensor",
     "Recipe",
+    "Sharding",
     "TensorWise",
+    "all_gather",
     "compute_amax",
     "compute_scale",
     "dequantize",
@@ -59,6 +64,7 @@ __all__ = [
     "linear",
     "quantize",
     "quantize_with_scale",
+    "reduce_amax",
     "round_up_to_pow2",
     "scale_shape",
     "sqnr",

@@ -6,6 +6,7 @@ import torch
 
 from ._formats import saturate_cast
 from ._qtensor import Fp8Meta, Fp8Tensor
+from ._sharding import Sharding, reduce_amax
 from ._scaling import (
     CastSpec,
     block_lengths,
@@ -55,7 +56,9 @@ def _apply_scale(x: torch.Tensor, factor: torch.Tensor, blocks) -> torch.Tensor:
     return merge_groups(split_groups(x, blocks) * expand_scale(factor))
 
 
-def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, spec: CastSpec) -> Fp8Tensor:
+def quantize_with_scale(
+    x: torch.Tensor, scale: torch.Tensor, spec: CastSpec, *, sharding: Sharding | None = None
+) -> Fp8Tensor:
     """Casts ``x`` to FP8 with given dequantization scales (e.g. a mesh-reduced or delayed scale).
 
     ``data = saturate(x * (1 / scale))``; see ``fp8func._scaling`` for why the reciprocal.
@@ -69,10 +72,16 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, spec: CastSpec) ->
             f"{spec.granularity!r} on shape {tuple(x.shape)} needs float32 scales of shape {want}."
         )
     data = saturate_cast(_apply_scale(x, torch.reciprocal(scale), blocks), spec.dtype)
-    return Fp8Tensor(data, scale, Fp8Meta(spec, x.dtype))
+    return Fp8Tensor(data, scale, Fp8Meta(spec, x.dtype, sharding))
 
 
-def quantize(x: torch.Tensor, spec: CastSpec, *, check_finite: bool = False) -> Fp8Tensor:
+def quantize(
+    x: torch.Tensor,
+    spec: CastSpec,
+    *,
+    sharding: Sharding | None = None,
+    check_finite: bool = False,
+) -> Fp8Tensor:
     """Quantizes ``x`` to FP8 with scales computed from its own amax (dynamic scaling).
 
     ``scale = max(amax, EPS) / fp8_max`` per group (rounded up to a power of two when
@@ -80,6 +89,11 @@ def quantize(x: torch.Tensor, spec: CastSpec, *, check_finite: bool = False) -> 
     ±fp8_max, never inf. A NaN or inf in a group makes that group's scale non-finite, so the
     whole group dequantizes to NaN: bad values are never hidden. ``check_finite=True`` raises
     instead (eager only).
+
+    With ``sharding``, ``x`` is a local shard: the amax is reduced (MAX) over exactly the mesh
+    dims that split a scale group (``Sharding.amax_mesh_dims``), so every shard is cast with the
+    scale of the logical tensor and ``all_gather(quantize(shard))`` equals
+    ``quantize(all_gather(shard))`` bitwise.
 
     Example:
         >>> import torch, fp8func as f8
@@ -93,8 +107,11 @@ def quantize(x: torch.Tensor, spec: CastSpec, *, check_finite: bool = False) -> 
         raise TypeError(f"quantize: spec={spec!r} is not a CastSpec; e.g. fp8func.CastSpec(dtype=fp8func.E4M3).")
     if check_finite:
         _check_finite(x)
-    scale = compute_scale(compute_amax(x, spec.granularity), spec.dtype, spec.pow2_scales)
-    return quantize_with_scale(x, scale, spec)
+    amax = compute_amax(x, spec.granularity)
+    if sharding is not None:
+        amax = reduce_amax(amax, sharding, sharding.amax_mesh_dims(spec.granularity, tuple(x.shape)))
+    scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
+    return quantize_with_scale(x, scale, spec, sharding=sharding)
 
 
 def dequantize(q: Fp8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

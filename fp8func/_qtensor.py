@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._scaling import CastSpec, block_lengths, transpose_granularity
+from ._sharding import Sharding
 
 __all__ = ["Fp8Meta", "Fp8Tensor"]
 
@@ -26,10 +27,12 @@ class Fp8Meta:
     Attributes:
         spec: the cast that produced it (dtype, granularity, power-of-two scales).
         orig_dtype: dtype of the high-precision tensor it was quantized from.
+        sharding: how ``data`` relates to the logical tensor (None: it is the whole tensor).
     """
 
     spec: CastSpec
     orig_dtype: torch.dtype
+    sharding: Sharding | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,10 @@ class Fp8Tensor:
     def transpose(self, dim0: int, dim1: int) -> "Fp8Tensor":
         """The same quantized values, transposed (a view of data and scale; no re-cast)."""
         g = transpose_granularity(self.granularity, self.ndim, dim0, dim1)
-        meta = dataclasses.replace(self.meta, spec=self.meta.spec.with_granularity(g))
+        sharding = self.meta.sharding
+        if sharding is not None:
+            sharding = sharding.transpose(self.ndim, dim0, dim1)
+        meta = dataclasses.replace(self.meta, spec=self.meta.spec.with_granularity(g), sharding=sharding)
         return Fp8Tensor(self.data.transpose(dim0, dim1), self.scale.transpose(dim0, dim1), meta)
 
     def t(self) -> "Fp8Tensor":

@@ -110,12 +110,8 @@ def _norm_axis(axis: int, ndim: int, owner: object) -> int:
     return axis % ndim
 
 
-def block_lengths(granularity: Granularity, shape: tuple[int, ...]) -> tuple[int | None, ...]:
-    """Per-dimension block lengths of ``granularity`` on a tensor of ``shape``.
-
-    ``None`` means the whole dimension. Raises if a block does not divide the shape.
-    """
-    shape = tuple(shape)
+def raw_block_lengths(granularity: Granularity, shape: tuple[int, ...]) -> tuple[int | None, ...]:
+    """Per-dimension block lengths (``None``: the whole dimension), without divisibility checks."""
     ndim = len(shape)
     if isinstance(granularity, TensorWise):
         return (None,) * ndim
@@ -124,20 +120,26 @@ def block_lengths(granularity: Granularity, shape: tuple[int, ...]) -> tuple[int
         return tuple(None if i == axis else 1 for i in range(ndim))
     if isinstance(granularity, MX):
         axis = _norm_axis(granularity.axis, ndim, granularity)
-        blocks = tuple(granularity.block if i == axis else 1 for i in range(ndim))
-    elif isinstance(granularity, BlockWise):
+        return tuple(granularity.block if i == axis else 1 for i in range(ndim))
+    if isinstance(granularity, BlockWise):
         if len(granularity.block) > ndim:
             raise ValueError(
                 f"{granularity!r} has {len(granularity.block)} block dims but the tensor of "
-                f"shape {shape} has only {ndim}."
+                f"shape {tuple(shape)} has only {ndim}."
             )
-        blocks = (1,) * (ndim - len(granularity.block)) + granularity.block
-    else:
-        raise TypeError(
-            f"granularity={granularity!r} is not one of TensorWise, AxisWise, BlockWise, MX."
-        )
+        return (1,) * (ndim - len(granularity.block)) + granularity.block
+    raise TypeError(f"granularity={granularity!r} is not one of TensorWise, AxisWise, BlockWise, MX.")
+
+
+def block_lengths(granularity: Granularity, shape: tuple[int, ...]) -> tuple[int | None, ...]:
+    """Per-dimension block lengths of ``granularity`` on a tensor of ``shape``.
+
+    ``None`` means the whole dimension. Raises if a block does not divide the shape.
+    """
+    shape = tuple(shape)
+    blocks = raw_block_lengths(granularity, shape)
     for d, b in zip(shape, blocks):
-        if d % b:
+        if b is not None and d % b:
             raise ValueError(
                 f"{granularity!r} does not divide a tensor of shape {shape}: dimension of size "
                 f"{d} is not a multiple of block {b}. Pad the tensor, or keep this layer out of "

@@ -1,0 +1,88 @@
+"""Collectives over ``Fp8Tensor``: fp8 payloads travel as uint8 bytes (gloo and NCCL alike)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from ._qtensor import Fp8Tensor
+from ._scaling import block_lengths
+from ._sharding import Sharding
+
+__all__ = ["all_gather", "gather_sizes"]
+
+
+def gather_sizes(local: int, mesh: DeviceMesh, mesh_dim: int) -> list[int]:
+    """Every rank's local size along a dim (one tiny all-gather; eager only)."""
+    t = torch.tensor([local], dtype=torch.int64, device=mesh.device_type)
+    return [int(s) for s in funcol.wait_tensor(funcol.all_gather_single(t, 0, (mesh, mesh_dim))).tolist()]
+
+
+def _gather_padded(t: torch.Tensor, dim: int, sizes: list[int], mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """All-gather ``t`` along ``dim`` where rank r holds ``sizes[r]`` rows: pad, gather, trim."""
+    t = t.movedim(dim, 0)
+    pad = max(sizes) - t.shape[0]
+    if pad:
+        t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+    out = funcol.wait_tensor(funcol.all_gather_single(t.contiguous(), 0, (mesh, mesh_dim)))
+    if any(s != sizes[0] for s in sizes):
+        out = torch.cat([c[:s] for c, s in zip(out.split(max(sizes)), sizes)])
+    return out.movedim(0, dim)
+
+
+def all_gather(
+    q: Fp8Tensor,
+    mesh: DeviceMesh,
+    mesh_dim: int = 0,
+    dim: int = 0,
+    *,
+    sizes: list[int] | None = None,
+) -> Fp8Tensor:
+    """Gathers the shards of ``q`` along tensor dim ``dim`` over mesh dim ``mesh_dim``.
+
+    The payload moves as uint8. Scales that are split along ``dim`` (one per row, per block)
+    are gathered with it; a scale that spans ``dim`` must already be the logical tensor's
+    (quantize the shard with ``sharding=``) and is kept. Uneven and empty shards work: ``sizes``
+    gives each rank's length along ``dim`` (exchanged with a tiny all-gather when omitted).
+
+    Example:
+        >>> shard_q = f8.quantize(shard, spec, sharding=f8.Sharding(mesh, (Shard(0),)))
+        >>> full_q = f8.all_gather(shard_q, mesh, mesh_dim=0, dim=0)   # == f8.quantize(full, spec)
+    """
+    if not isinstance(q, Fp8Tensor):
+        raise TypeError(f"all_gather: expected an Fp8Tensor, got {type(q).__name__}.")
+    dim = dim % q.ndim
+    b = block_lengths(q.granularity, tuple(q.shape))[dim]
+    sharding = q.meta.sharding
+    if b is None and (sharding is None or sharding.mesh != mesh
+                      or sharding.placements[mesh_dim] != Shard(dim)):
+        raise ValueError(
+            f"all_gather: one {q.granularity!r} scale spans dim {dim}, so every shard must carry the "
+            f"logical tensor's scale, but this Fp8Tensor's sharding is {sharding}. Quantize the shard "
+            f"with sharding=fp8func.Sharding(mesh, placements) where mesh dim {mesh_dim} is Shard({dim})."
+        )
+    if sizes is None:
+        sizes = gather_sizes(q.shape[dim], mesh, mesh_dim)
+    data = _gather_padded(q.data.view(torch.uint8), dim, sizes, mesh, mesh_dim).view(q.dtype)
+    if b is None:
+        scale = q.scale
+    else:
+        if any(s % b for s in sizes):
+            raise ValueError(f"all_gather: shard sizes {sizes} along dim {dim} are not multiples of block {b}.")
+        scale = _gather_padded(q.scale, dim, [s // b for s in sizes], mesh, mesh_dim)
+    meta = dataclasses.replace(q.meta, sharding=_gathered(sharding, mesh, mesh_dim))
+    return Fp8Tensor(data, scale, meta)
+
+
+def _gathered(sharding: Sharding | None, mesh: DeviceMesh, mesh_dim: int) -> Sharding | None:
+    if sharding is None:
+        return None
+    placements = list(sharding.placements)
+    placements[mesh_dim] = Replicate()
+    if all(isinstance(p, Replicate) for p in placements):
+        return None
+    return Sharding(mesh, tuple(placements))

@@ -1,0 +1,31 @@
+"""A pytest-friendly multi-process harness: gloo on CPU, one process per rank.
+
+``run_workers(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo process
+group in each (file rendezvous: no ports), calls ``fn(rank, world_size, *args)`` and returns the
+per-rank results. A failure in any rank raises in the test with that rank's traceback.
+"""
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank, fn, world_size, workdir, args):
+    torch.set_num_threads(1)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size)
+    try:
+        out = fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    torch.save(out, os.path.join(workdir, f"rank{rank}.pt"))
+
+
+def run_workers(fn, world_size, *args):
+    with tempfile.TemporaryDirectory() as workdir:
+        mp.spawn(_entry, args=(fn, world_size, workdir, args), nprocs=world_size, join=True)
+        return [torch.load(os.path.join(workdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,112 @@
+"""Sharded quantization and all_gather across processes (gloo): bitwise against the full tensor."""
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+import fp8func as f8
+
+from .dist_harness import run_workers
+
+GRANULARITIES = [f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(0), f8.BlockWise((1, 4)),
+                 f8.BlockWise((4, 4)), f8.MX(4), f8.MX(4, axis=0)]
+
+
+def _split(x, dim, sizes):
+    return list(x.split(sizes, dim=dim))
+
+
+def _bits(q):
+    return q.data.view(torch.uint8), q.scale
+
+
+def _gather_equals_full(rank, world_size, rows, sizes_by_case):
+    mesh = init_device_mesh("cpu", (world_size,))
+    failures = []
+    for dim in (0, 1):
+        for gi, g in enumerate(GRANULARITIES):
+            for dtype, p2 in ((f8.E4M3, False), (f8.E5M2, True)):
+                spec = f8.CastSpec(dtype, g, p2)
+                x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(gi)) * 3
+                x = x if dim == 0 else x.t().contiguous()
+                try:
+                    blocks = f8.Fp8Tensor(x, x, f8.Fp8Meta(spec, x.dtype)).blocks
+                except ValueError:
+                    continue  # this granularity does not tile this shape
+                blocked = blocks[dim] is not None and blocks[dim] > 1
+                sizes = sizes_by_case["block" if blocked else "plain"]
+                if sum(sizes) != x.shape[dim]:
+                    continue
+                shard = _split(x, dim, sizes)[rank]
+                sharding = f8.Sharding(mesh, (Shard(dim),))
+                q = f8.quantize(shard, spec, sharding=sharding)
+                full = f8.all_gather(q, mesh, 0, dim)
+                want = f8.quantize(x, spec)
+                if not all(torch.equal(a, b) for a, b in zip(_bits(full), _bits(want))):
+                    failures.append((dim, repr(g), str(dtype)))
+                if full.meta.sharding is not None:
+                    failures.append(("sharding not cleared", repr(g)))
+    return failures
+
+
+@pytest.mark.parametrize("world_size,rows,sizes", [
+    (2, 16, {"plain": [9, 7], "block": [8, 8]}),
+    (4, 16, {"plain": [5, 5, 5, 1], "block": [8, 4, 4, 0]}),   # uneven, and an empty shard
+    (4, 3, {"plain": [1, 1, 1, 0], "block": [0, 0, 0, 0]}),
+])
+def test_all_gather_of_quantized_shards_is_quantized_full(world_size, rows, sizes):
+    results = run_workers(_gather_equals_full, world_size, rows, sizes)
+    assert results == [[]] * world_size, results[0]
+
+
+def _two_d(rank, world_size):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    r0, r1 = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    shard = x.chunk(2, 0)[r0].chunk(2, 1)[r1]
+    out = {}
+    for name, g in (("tensorwise", f8.TensorWise()), ("rowwise", f8.AxisWise(-1)), ("colwise", f8.AxisWise(0))):
+        spec = f8.CastSpec(granularity=g)
+        sharding = f8.Sharding(mesh, (Shard(0), Shard(1)))
+        out[name + "_dims"] = sharding.amax_mesh_dims(g, tuple(shard.shape))
+        q = f8.quantize(shard, spec, sharding=sharding)
+        q = f8.all_gather(f8.all_gather(q, mesh, 1, 1), mesh, 0, 0)
+        want = f8.quantize(x, spec)
+        out[name] = torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
+    return out
+
+
+def test_two_d_mesh_reduces_over_exactly_the_right_dims():
+    res = run_workers(_two_d, 4)
+    for r in res:
+        assert r["tensorwise"] and r["rowwise"] and r["colwise"], r
+        assert r["tensorwise_dims"] == (0, 1)  # split along both dims
+        assert r["rowwise_dims"] == (1,)  # a row scale spans dim 1 only
+        assert r["colwise_dims"] == (0,)
+
+
+def _errors(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    msgs = []
+    q = f8.quantize(torch.randn(4, 16), f8.CastSpec())  # no sharding: a local scale
+    try:
+        f8.all_gather(q, mesh)
+    except ValueError as e:
+        msgs.append(str(e))
+    try:
+        f8.Sharding(mesh, (Shard(0),)).amax_mesh_dims(f8.BlockWise((4, 4)), (6, 16))
+    except ValueError as e:
+        msgs.append(str(e))
+    try:
+        f8.Sharding(mesh, (Shard(0), Replicate()))
+    except ValueError as e:
+        msgs.append(str(e))
+    return msgs
+
+
+def test_sharding_errors_say_how_to_fix():
+    msgs = run_workers(_errors, 2)[0]
+    assert "Quantize the shard with sharding=fp8func.Sharding(mesh, placements)" in msgs[0]
+    assert "local size 6 is not a multiple of block 4, so a block straddles two ranks" in msgs[1]
+    assert "2 placements" in msgs[2] and "1-dim mesh" in msgs[2]
