@@ -37,6 +37,10 @@ from ._gemm import gemm as gemm
 from ._gemm import gemm_path as gemm_path
 from ._autograd import linear as linear
 from ._metrics import sqnr as sqnr
+from . import distributed as distributed
+from . import nn as nn
+from .nn import convert as convert
+from .nn import report as report
 
 __version__ = "0.1.0"
 
@@ -56,6 +60,10 @@ __all__ = [
     "TensorWise",
     "all_gather",
     "compute_amax",
+    "convert",
+    "distributed",
+    "nn",
+    "report",
     "compute_scale",
     "dequantize",
     "fp8_max",

@@ -14,7 +14,7 @@ import torch
 from ._gemm import gemm
 from ._ops import quantize
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import BlockWise, CastSpec, Recipe, TensorWise, block_lengths
+from ._scaling import BlockWise, CastSpec, Recipe, TensorWise, block_lengths, transpose_granularity
 
 __all__ = ["linear"]
 
@@ -24,6 +24,19 @@ def _transpose_invariant(spec: CastSpec) -> bool:
     g = spec.granularity
     square_blocks = isinstance(g, BlockWise) and len(g.block) == 2 and g.block[0] == g.block[1]
     return isinstance(g, TensorWise) or square_blocks
+
+
+def weight_casts(recipe: Recipe) -> list[tuple[str, CastSpec]]:
+    """The casts of a weight ``w [N, K]`` that a linear layer consumes, as specs on ``[N, K]``.
+
+    ``"w"``: the forward's (contraction K last). ``"w_t"``: the grad_input GEMM's, cast along N,
+    present only when the forward's cast cannot be reused for it bitwise.
+    """
+    casts = [("w", recipe.weight)]
+    if recipe.grad_input_weight is not None or not _transpose_invariant(recipe.weight):
+        spec = recipe.weight_for_grad_input
+        casts.append(("w_t", spec.with_granularity(transpose_granularity(spec.granularity, 2, 0, 1))))
+    return casts
 
 
 def _cast_b(t: torch.Tensor, spec: CastSpec) -> Fp8Tensor:
@@ -38,31 +51,45 @@ def _cast_b(t: torch.Tensor, spec: CastSpec) -> Fp8Tensor:
 class _LinearFn(torch.autograd.Function):
     # Outputs: y, then the payloads that the backward reuses (non-differentiable).
 
+    # ``casts``: None (cast ``weight`` here), or the weight's casts made elsewhere (FSDP2's fp8
+    # all-gather) as (w_data, w_scale, w_t_data, w_t_scale), see ``weight_casts``.
+
     @staticmethod
-    def forward(x, weight, bias, recipe: Recipe):
+    def forward(x, weight, bias, recipe: Recipe, w_data, w_scale, wt_data, wt_scale):
         x2 = x.reshape(-1, x.shape[-1])
         qx = quantize(x2, recipe.input)
-        qw = quantize(weight, recipe.weight)  # [N, K], contraction last
+        given = w_data is not None
+        if given:
+            qw = Fp8Tensor(w_data, w_scale, Fp8Meta(recipe.weight, weight.dtype))
+        else:
+            qw = quantize(weight, recipe.weight)  # [N, K], contraction last
         y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path)
-        return y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
+        # Given casts are inputs, saved as such; only casts made here are returned for saving.
+        return y, qx.data, qx.scale, None if given else qw.data, None if given else qw.scale
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, recipe = inputs
+        x, weight, bias, recipe, w_data, w_scale, wt_data, wt_scale = inputs
         _, qx_data, qx_scale, qw_data, qw_scale = output
-        ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale)
+        ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
+        if w_data is not None:
+            qw_data, qw_scale = w_data, w_scale
         ctx.recipe = recipe
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.reuse_x = not recipe.grad_weight_hp and _transpose_invariant(recipe.input)
         ctx.reuse_w = recipe.grad_input_weight is None and _transpose_invariant(recipe.weight)
-        keep_x = qx_data, qx_scale
-        keep_w = qw_data, qw_scale
-        ctx.save_for_backward(
-            *(keep_x if ctx.reuse_x else (x, x)),
-            *(keep_w if ctx.reuse_w else (weight, weight)),
-        )
+        ctx.given_wt = wt_data is not None
+        keep_x = (qx_data, qx_scale) if ctx.reuse_x else (x, x)
+        if ctx.reuse_w:
+            keep_w = qw_data, qw_scale
+        elif ctx.given_wt:
+            keep_w = wt_data, wt_scale
+        else:
+            keep_w = weight, weight
+        ctx.save_for_backward(*keep_x, *keep_w)
 
     @staticmethod
     def backward(ctx, dy, *_unused):
@@ -71,11 +98,14 @@ class _LinearFn(torch.autograd.Function):
         n = dy.shape[-1]
         dy2 = dy.reshape(-1, n)
         dx = dw = db = None
-        if ctx.reuse_w:
-            qw = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype))  # [N, K]
         if ctx.needs_input_grad[0]:
             qdy = quantize(dy2, recipe.grad_output)  # [M, N] along N
-            b = qw if ctx.reuse_w else _cast_b(w_a, recipe.weight_for_grad_input)  # [N, K] along N
+            if ctx.reuse_w:
+                b = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype))  # [N, K]
+            elif ctx.given_wt:
+                b = Fp8Tensor(w_a, w_b, Fp8Meta(weight_casts(recipe)[1][1], ctx.w_dtype))
+            else:
+                b = _cast_b(w_a, recipe.weight_for_grad_input)  # [N, K] along N
             dx = gemm(qdy, b, out_dtype=ctx.x_dtype, path=recipe.path).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if ctx.reuse_x:
@@ -90,18 +120,20 @@ class _LinearFn(torch.autograd.Function):
             dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None, None, None, None
 
     @staticmethod
-    def vmap(info, in_dims, x, weight, bias, recipe):
+    def vmap(info, in_dims, x, weight, bias, recipe, *casts):
         # Per-example semantics: each example gets its own scales (a tensorwise amax over the
         # whole batch would change the numbers), so the rule maps the function over the batch.
         def pick(t, d, i):
             return t if t is None or d is None else t.select(d, i)
 
         dims = in_dims[:3]
+        if any(d is not None for d in in_dims[4:]):
+            raise ValueError("fp8func.linear: vmap over pre-gathered weight casts is not supported.")
         outs = [
-            _LinearFn.apply(*(pick(t, d, i) for t, d in zip((x, weight, bias), dims)), recipe)
+            _LinearFn.apply(*(pick(t, d, i) for t, d in zip((x, weight, bias), dims)), recipe, *casts)
             for i in range(info.batch_size)
         ]
         stacked = tuple(torch.stack(parts) for parts in zip(*outs))
@@ -161,4 +193,26 @@ def linear(
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"linear: bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},).")
     _check_gemm_shapes(recipe, x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0])
-    return _LinearFn.apply(x, weight, bias, recipe)[0]
+    return _LinearFn.apply(x, weight, bias, recipe, None, None, None, None)[0]
+
+
+def linear_with_casts(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: Recipe,
+    casts: dict[str, Fp8Tensor],
+) -> torch.Tensor:
+    """``linear`` with the weight's casts made elsewhere (e.g. gathered in FP8 by FSDP2).
+
+    ``casts`` maps the names of ``weight_casts(recipe)`` to ``Fp8Tensor``s of shape ``[N, K]``;
+    ``weight`` only routes the gradient (its values are not read). Bitwise the same as
+    ``linear(x, w_hp, ...)`` when the casts are ``quantize(w_hp, spec)`` for those specs.
+    """
+    names = [name for name, _ in weight_casts(recipe)]
+    if sorted(casts) != sorted(names):
+        raise ValueError(f"linear_with_casts: recipe {recipe.name!r} needs casts {names}, got {sorted(casts)}.")
+    _check_gemm_shapes(recipe, x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0])
+    w, wt = casts["w"], casts.get("w_t")
+    return _LinearFn.apply(x, weight, bias, recipe, w.data, w.scale,
+                           None if wt is None else wt.data, None if wt is None else wt.scale)[0]

@@ -1,0 +1,191 @@
+"""FSDP2 all-gather extension: weights travel as fp8 bytes, bitwise what bf16 all-gather + cast gives.
+
+Two tensor types, both thin:
+
+* ``Fp8AllGatherWeight`` is the *sharded* weight (``DTensor._local_tensor`` under FSDP2). It is
+  an ordinary high-precision tensor to everyone (optimizer, init, state_dict) and implements
+  ``fsdp_pre_all_gather``: cast the shard to the param dtype exactly as FSDP2's default path
+  does, quantize it with the amax reduced over the FSDP mesh (``quantize(..., sharding=)``),
+  and hand FSDP2 the uint8 payload(s). Scales that are split by the sharding (one per row, per
+  block) are gathered beside it; a scale that spans the rows is already the mesh-wide one.
+* ``Fp8GatheredWeight`` is the *unsharded* weight FSDP2 builds in ``fsdp_post_all_gather``: it
+  holds the gathered casts (``Fp8Tensor``s, views of FSDP's all-gather buffers) and is consumed
+  by ``Fp8Linear`` alone; any other use raises.
+
+Which casts travel: the forward's ``w`` cast, and the grad_input GEMM's ``w_t`` cast when the
+recipe needs a different one (row-wise: column scales). Both are gathered at every unshard (the
+number of all-gather inputs must not change between passes, and a compiled backward reads the
+buffers its forward saved), so a row-wise weight moves as many bytes as bf16 would; tensorwise
+and 128x128 block weights move one payload, half of bf16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor, Shard
+
+from .._autograd import weight_casts
+from .._collectives import _gather_padded
+from .._ops import quantize
+from .._qtensor import Fp8Meta, Fp8Tensor
+from .._scaling import Recipe, block_lengths
+from .._sharding import Sharding
+
+__all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "chunk_sizes"]
+
+aten = torch.ops.aten
+
+# Ops FSDP2 / init / state_dict loading apply to the sharded weight whose result must stay an
+# Fp8AllGatherWeight (sharding, padding, copying, moving). Everything else returns plain tensors.
+_PRESERVE = {
+    aten.empty_like.default, aten.new_zeros.default, aten.new_empty.default, aten.slice.Tensor,
+    aten.copy_.default, aten.view.default, aten.as_strided.default, aten._to_copy.default,
+    aten._pin_memory.default, aten.split.Tensor, aten.split_with_sizes.default, aten.clone.default,
+    aten.detach.default, aten.alias.default,
+}
+
+
+def chunk_sizes(n: int, world_size: int) -> list[int]:
+    """Rows per rank when FSDP2 (``torch.chunk``) shards ``n`` rows over ``world_size`` ranks."""
+    c = math.ceil(n / world_size) if n else 0
+    return [max(0, min(c, n - r * c)) for r in range(world_size)]
+
+
+class Fp8AllGatherWeight(torch.Tensor):
+    """A high-precision weight that FSDP2 all-gathers in FP8 (see module docstring)."""
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, recipe: Recipe):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor, recipe: Recipe):
+        self._tensor = tensor
+        self._recipe = recipe
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        recipe = next(t._recipe for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _PRESERVE:
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, recipe), out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], self._recipe
+
+    @staticmethod
+    def __tensor_unflatten__(inner, recipe, outer_size, outer_stride):
+        return Fp8AllGatherWeight(inner["_tensor"], recipe)
+
+    def __repr__(self):
+        return f"Fp8AllGatherWeight({self._tensor!r}, recipe={self._recipe.name})"
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        n, k = outer_size
+        if self._tensor.ndim != 2 or self._tensor.shape[1] != k:
+            raise NotImplementedError(
+                f"fp8func: FSDP2 sharded this {tuple(outer_size)} weight along dim 1 (local "
+                f"{tuple(self._tensor.shape)}); the fp8 all-gather supports dim-0 sharding only. Drop the "
+                "shard_placement_fn for this parameter or convert with fsdp_fp8_all_gather=False."
+            )
+        # Exactly the cast FSDP2's default path applies before its all-gather.
+        param_dtype = mp_policy.param_dtype or self._tensor.dtype
+        shard = self._tensor.to(param_dtype)
+        sizes = chunk_sizes(n, mesh.size())
+        padded = max(sizes)
+        sharding = Sharding(mesh, (Shard(0),))
+        inputs, metadata = [], []
+        for name, spec in weight_casts(self._recipe):
+            q = quantize(shard, spec, sharding=sharding)
+            data = q.data.view(torch.uint8)
+            if data.shape[0] < padded:  # FSDP2 wants every input at the padded shard size
+                data = torch.cat([data, data.new_zeros(padded - data.shape[0], k)])
+            scale = q.scale
+            b = block_lengths(spec.granularity, tuple(shard.shape))[0]
+            if b is not None:  # row / block scales are split like the rows: gather them too
+                scale = _gather_padded(scale, 0, [s // b for s in sizes], mesh, 0)
+            inputs.append(data)
+            metadata.append((name, scale, Fp8Meta(spec, param_dtype)))
+        return tuple(inputs), (tuple(metadata), n)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        entries, n = metadata
+        casts = {
+            name: Fp8Tensor(buf[:n].view(meta.spec.dtype), scale, meta)
+            for buf, (name, scale, meta) in zip(all_gather_outputs, entries)
+        }
+        if out is not None:
+            target = out._local_tensor if isinstance(out, DTensor) else out
+            if not isinstance(target, Fp8GatheredWeight):
+                raise RuntimeError(f"fp8func: FSDP2 passed out={type(target).__name__}; expected an Fp8GatheredWeight.")
+            target.set_casts(casts)
+            return None
+        shape = (n, all_gather_outputs[0].shape[-1])
+        return Fp8GatheredWeight(casts, shape, param_dtype), ()
+
+
+class Fp8GatheredWeight(torch.Tensor):
+    """The unsharded weight FSDP2 builds from fp8 payloads; only ``Fp8Linear`` consumes it."""
+
+    @staticmethod
+    def __new__(cls, casts: dict[str, Fp8Tensor], shape, dtype):
+        device = next(iter(casts.values())).data.device
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
+    def __init__(self, casts, shape, dtype):
+        self.set_casts(casts)
+
+    @property
+    def casts(self) -> dict[str, Fp8Tensor]:
+        return self._casts
+
+    def set_casts(self, casts: dict[str, Fp8Tensor]) -> None:
+        # Inner tensors are attributes too: subclass flattening (dynamo, AOTAutograd) reads them so.
+        self._casts = casts
+        for name, q in casts.items():
+            setattr(self, f"_{name}_data", q.data)
+            setattr(self, f"_{name}_scale", q.scale)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        self = args[0]
+        if func in (aten.detach.default, aten.alias.default):
+            return cls(self._casts, self.shape, self.dtype)
+        if func in (aten.as_strided.default, aten.view.default):
+            size = args[1]
+            same_layout = func is aten.view.default or (
+                tuple(args[2]) == self.stride() and (len(args) < 4 or args[3] in (0, None)))
+            if tuple(size) == tuple(self.shape) and same_layout:
+                return cls(self._casts, self.shape, self.dtype)
+        raise RuntimeError(
+            f"fp8func: {func} was called on a weight that FSDP2 all-gathered in FP8; only Fp8Linear "
+            "can consume it. If another module uses this weight (tied embeddings, custom code), convert "
+            "this layer with fsdp_fp8_all_gather=False or exclude it with convert(filter=...)."
+        )
+
+    def __tensor_flatten__(self):
+        names = []
+        for name in self._casts:
+            names += [f"_{name}_data", f"_{name}_scale"]
+        ctx = tuple((name, q.meta) for name, q in self._casts.items())
+        return names, (ctx, tuple(self.shape), self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        metas, shape, dtype = ctx
+        casts = {name: Fp8Tensor(inner[f"_{name}_data"], inner[f"_{name}_scale"], meta) for name, meta in metas}
+        return Fp8GatheredWeight(casts, shape, dtype)
+
+    def __repr__(self):
+        return f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, casts={list(self._casts)})"

@@ -1,0 +1,123 @@
+"""``convert(model, ...)``: swap ``nn.Linear`` layers for ``Fp8Linear`` in place; ``report(model)``."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from .._scaling import Recipe, block_lengths
+from ._linear import Fp8Linear
+
+__all__ = ["convert", "report", "LayerReport", "Report"]
+
+log = logging.getLogger("fp8func")
+_DECISIONS = "_fp8func_decisions"  # fqn -> reason it was not converted ("" when converted)
+
+
+def _why_not(module: nn.Linear, fqn: str, recipe: Recipe, filter_fn) -> str:
+    if filter_fn is not None and not filter_fn(module, fqn):
+        return "excluded by filter"
+    k, n = module.in_features, module.out_features
+    if k % 16 or n % 16:
+        return f"K={k}, N={n}: FP8 GEMMs need both divisible by 16"
+    for role, spec, shape in (("weight", recipe.weight, (n, k)), ("input", recipe.input, (16, k))):
+        try:
+            block_lengths(spec.granularity, shape)
+        except ValueError:
+            return f"{role} cast {spec.granularity!r} does not tile {role} of shape {shape}"
+    return ""
+
+
+def convert(
+    model: nn.Module,
+    recipe: Recipe | str = "tensorwise",
+    *,
+    filter: Callable[[nn.Module, str], bool] | None = None,
+    fsdp_fp8_all_gather: bool = True,
+) -> nn.Module:
+    """Replaces ``nn.Linear`` layers of ``model`` in place with ``Fp8Linear``; returns ``model``.
+
+    Parameters keep their names and state_dict keys. A layer stays high-precision when
+    ``filter(module, fqn)`` returns False or the recipe cannot tile it; ``report(model)`` says
+    which and why. A weight shared with another module (tied embeddings) is converted without
+    the fp8 all-gather, since the other module needs the high-precision values.
+
+    Logs one line on the ``fp8func`` logger (INFO):
+    ``fp8func: converted N/M linear layers (recipe=..., fsdp_fp8_all_gather=...)``.
+    """
+    recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"convert: recipe={recipe!r}; expected a Recipe or a name such as 'tensorwise'.")
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    decisions = getattr(model, _DECISIONS, {})
+    targets = [(fqn, m) for fqn, m in model.named_modules() if type(m) is nn.Linear]
+    converted = 0
+    for fqn, module in targets:
+        reason = _why_not(module, fqn, recipe, filter)
+        decisions[fqn] = reason
+        if reason:
+            continue
+        gather = fsdp_fp8_all_gather and uses[id(module.weight)] == 1
+        if fsdp_fp8_all_gather and not gather:
+            decisions[fqn] = "converted; weight is shared with another module, so it is all-gathered in bf16"
+        new = Fp8Linear.from_linear(module, recipe, fsdp_fp8_all_gather=gather)
+        if fqn:
+            parent_name, _, child = fqn.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, new)
+        else:
+            raise ValueError("convert: the model itself is an nn.Linear; wrap it in a module first.")
+        converted += 1
+    object.__setattr__(model, _DECISIONS, decisions)  # plain attribute, not a submodule/buffer
+    total = sum(1 for _, m in model.named_modules() if isinstance(m, nn.Linear))
+    log.info("fp8func: converted %d/%d linear layers (recipe=%s, fsdp_fp8_all_gather=%s)",
+             converted, total, recipe.name, fsdp_fp8_all_gather)
+    return model
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    fqn: str
+    converted: bool
+    reason: str
+    recipe: str | None
+    in_features: int
+    out_features: int
+    fsdp_fp8_all_gather: bool
+
+
+class Report(list):
+    """A list of ``LayerReport`` rows that prints as a table."""
+
+    def __str__(self) -> str:
+        head = ("layer", "fp8", "recipe", "in x out", "fp8 all-gather", "note")
+        rows = [head] + [
+            (r.fqn, "yes" if r.converted else "no", r.recipe or "-", f"{r.in_features}x{r.out_features}",
+             "yes" if r.fsdp_fp8_all_gather else "no", r.reason)
+            for r in self
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        n = sum(r.converted for r in self)
+        return "\n".join(lines + [f"{n}/{len(self)} linear layers in FP8"])
+
+
+def report(model: nn.Module, *, print_table: bool = True) -> Report:
+    """Every linear layer of ``model``: converted or not, why, recipe, shapes. Prints the table."""
+    decisions = getattr(model, _DECISIONS, {})
+    rows = Report()
+    for fqn, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        if isinstance(m, Fp8Linear):
+            rows.append(LayerReport(fqn, True, decisions.get(fqn, ""), m.recipe.name, m.in_features,
+                                    m.out_features, m.fsdp_fp8_all_gather))
+        else:
+            reason = decisions.get(fqn, "not converted (convert() has not seen this layer)")
+            rows.append(LayerReport(fqn, False, reason, None, m.in_features, m.out_features, False))
+    if print_table:
+        print(rows)
+    return rows
