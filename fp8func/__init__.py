@@ -41,6 +41,7 @@ from . import distributed as distributed
 from . import nn as nn
 from .nn import convert as convert
 from .nn import report as report
+from .distributed import precompute_scales as precompute_scales
 
 __version__ = "0.1.0"
 
@@ -63,6 +64,7 @@ __all__ = [
     "convert",
     "distributed",
     "nn",
+    "precompute_scales",
     "report",
     "compute_scale",
     "dequantize",

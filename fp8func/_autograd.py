@@ -58,23 +58,20 @@ class _LinearFn(torch.autograd.Function):
     def forward(x, weight, bias, recipe: Recipe, w_data, w_scale, wt_data, wt_scale):
         x2 = x.reshape(-1, x.shape[-1])
         qx = quantize(x2, recipe.input)
-        given = w_data is not None
-        if given:
-            qw = Fp8Tensor(w_data, w_scale, Fp8Meta(recipe.weight, weight.dtype))
-        else:
+        if w_data is None:
             qw = quantize(weight, recipe.weight)  # [N, K], contraction last
+        else:
+            # Views, not the inputs themselves: autograd.Function outputs that are saved must not
+            # be inputs returned as they are.
+            qw = Fp8Tensor(w_data.view_as(w_data), w_scale.view_as(w_scale), Fp8Meta(recipe.weight, weight.dtype))
         y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path)
-        y = y.reshape(*x.shape[:-1], weight.shape[0])
-        # Given casts are inputs, saved as such; only casts made here are returned for saving.
-        return y, qx.data, qx.scale, None if given else qw.data, None if given else qw.scale
+        return y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, recipe, w_data, w_scale, wt_data, wt_scale = inputs
+        x, weight, bias, recipe, _, _, wt_data, wt_scale = inputs
         _, qx_data, qx_scale, qw_data, qw_scale = output
-        ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
-        if w_data is not None:
-            qw_data, qw_scale = w_data, w_scale
+        ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale)
         ctx.recipe = recipe
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None

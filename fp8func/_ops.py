@@ -109,7 +109,7 @@ def quantize(
         _check_finite(x)
     amax = compute_amax(x, spec.granularity)
     if sharding is not None:
-        amax = reduce_amax(amax, sharding, sharding.amax_mesh_dims(spec.granularity, tuple(x.shape)))
+        amax = reduce_amax(amax, sharding.mesh, sharding.amax_mesh_dims(spec.granularity, tuple(x.shape)))
     scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
     return quantize_with_scale(x, scale, spec, sharding=sharding)
 

@@ -97,10 +97,10 @@ class Sharding:
         return tuple(dims)
 
 
-def reduce_amax(amax: torch.Tensor, sharding: Sharding | None, mesh_dims: tuple[int, ...]) -> torch.Tensor:
-    """All-reduce (MAX) ``amax`` over ``mesh_dims`` of ``sharding.mesh``; traceable by dynamo."""
+def reduce_amax(amax: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
+    """All-reduce (MAX) ``amax`` over ``mesh_dims`` of ``mesh``; traceable by dynamo."""
     for mesh_dim in mesh_dims:
-        amax = funcol.all_reduce(amax, "max", (sharding.mesh, mesh_dim))
+        amax = funcol.all_reduce(amax, "max", (mesh, mesh_dim))
     if mesh_dims:
         amax = funcol.wait_tensor(amax)
     return amax

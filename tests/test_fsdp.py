@@ -36,9 +36,9 @@ class _CountAllGather:
             setattr(dist, name, orig)
 
 
-def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype):
+def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, precompute=False, compiled=False):
     mesh = init_device_mesh("cpu", (world_size,))
-    model = tiny_qwen3()
+    model = tiny_qwen3(layers=1 if compiled else 2)  # compiling on 2 CPU cores is the slow part
     if param_dtype == "bf16-weights":
         model = model.bfloat16()
         mp = MixedPrecisionPolicy()
@@ -49,8 +49,22 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    if compiled:  # per-block compile, FSDP2 hooks eager (the torchtitan layout)
+        for layer in model.model.layers:
+            layer.compile(fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
+    losses, covered = [], []
+    used = []
+    if precompute:
+        import fp8func.distributed._fsdp as fsdp_mod
+
+        orig = fsdp_mod.quantize_with_scale
+
+        def counting(*a, **k):
+            used.append(1)
+            return orig(*a, **k)
+
+        fsdp_mod.quantize_with_scale = counting
     with _CountAllGather() as counter:
         for step in range(steps):
             ids, labels = batch(step, rank)
@@ -58,9 +72,12 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype):
             loss.backward()
             opt.step()
             opt.zero_grad()
+            if precompute:
+                covered.append(f8.precompute_scales(model))
             losses.append(loss.detach().float().item())
     n_fp8 = sum(p.numel() for m in model.modules() if isinstance(m, f8.nn.Fp8Linear) for p in [m.weight])
-    return {"losses": losses, "bytes": counter.bytes, "fp8_weight_numel": n_fp8}
+    return {"losses": losses, "bytes": counter.bytes, "fp8_weight_numel": n_fp8, "covered": covered,
+            "precomputed_used": len(used)}
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
@@ -91,3 +108,20 @@ def test_fsdp_four_ranks_rowwise():
     on = run_workers(_train, 4, "rowwise", True, 6, True, "fp32-master")
     off = run_workers(_train, 4, "rowwise", False, 6, True, "fp32-master")
     assert on[0]["losses"] == off[0]["losses"]
+
+
+def test_precompute_scales_keeps_the_contract():
+    on = run_workers(_train, 2, "tensorwise", True, 6, True, "fp32-master", True)
+    off = run_workers(_train, 2, "tensorwise", False, 6, True, "fp32-master")
+    assert on[0]["losses"] == off[0]["losses"]
+    assert on[0]["covered"] == [15] * 6  # every converted layer: 2 decoder layers x 7, and lm_head
+    # After each of the first 5 steps, every forward and backward gather used the precomputed scale.
+    assert on[0]["precomputed_used"] == 5 * 15 * 2
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fsdp_compiled_on_off_bitwise(recipe):
+    on = run_workers(_train, 2, recipe, True, 3, True, "fp32-master", False, True)
+    off = run_workers(_train, 2, recipe, False, 3, True, "fp32-master", False, True)
+    assert on[0]["losses"] == off[0]["losses"]
+    assert on[0]["bytes"] < off[0]["bytes"] or recipe == "rowwise"

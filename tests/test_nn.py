@@ -1,0 +1,106 @@
+"""The shell: convert / report / Fp8Linear on ordinary models (single process)."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import fp8func as f8
+from fp8func.distributed import Fp8AllGatherWeight
+
+from .models import tiny_qwen3
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 64)
+        self.up = nn.Linear(64, 128)
+        self.odd = nn.Linear(128, 24)  # N=24 is no multiple of 16
+        self.down = nn.Linear(24, 64, bias=False)
+        self.head = nn.Linear(64, 32, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(self.down(self.odd(torch.relu(self.up(h)))))
+
+
+def test_convert_keeps_names_values_and_logs_one_line(caplog):
+    torch.manual_seed(0)
+    net = Net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with caplog.at_level(logging.INFO, logger="fp8func"):
+        f8.convert(net, "tensorwise")
+    lines = [r.getMessage() for r in caplog.records if r.name == "fp8func"]
+    assert lines == ["fp8func: converted 2/4 linear layers (recipe=tensorwise, fsdp_fp8_all_gather=True)"]
+    after = net.state_dict()
+    assert list(after) == list(before)
+    for k in before:
+        assert torch.equal(after[k].as_subclass(torch.Tensor) if isinstance(after[k], Fp8AllGatherWeight)
+                           else after[k], before[k]), k
+    assert isinstance(net.up, f8.nn.Fp8Linear) and isinstance(net.head, f8.nn.Fp8Linear)
+    assert type(net.odd) is nn.Linear and type(net.down) is nn.Linear
+    assert isinstance(net.up.weight, Fp8AllGatherWeight)
+    assert net.head.weight is net.emb.weight and not net.head.fsdp_fp8_all_gather  # tied: bf16 gather
+
+
+def test_report_says_why(capsys):
+    net = f8.convert(Net(), "rowwise", filter=lambda m, fqn: fqn != "up")
+    rows = f8.report(net)
+    printed = capsys.readouterr().out
+    by = {r.fqn: r for r in rows}
+    assert not by["up"].converted and by["up"].reason == "excluded by filter"
+    assert not by["odd"].converted and "N=24: FP8 GEMMs need both divisible by 16" in by["odd"].reason
+    assert by["head"].converted and "shared with another module" in by["head"].reason
+    assert by["head"].recipe == "rowwise" and (by["head"].in_features, by["head"].out_features) == (64, 32)
+    assert "1/4 linear layers in FP8" in printed and "excluded by filter" in printed
+
+
+def test_blockwise_keeps_untileable_layers_high_precision():
+    net = f8.convert(Net(), "blockwise", fsdp_fp8_all_gather=False)
+    by = {r.fqn: r for r in f8.report(net, print_table=False)}
+    assert not by["up"].converted and "does not tile weight of shape (128, 64)" in by["up"].reason
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_converted_model_trains_like_functional_linear(gather):
+    torch.manual_seed(0)
+    ref, model = nn.Linear(64, 32), nn.Linear(64, 32)
+    model.load_state_dict(ref.state_dict())
+    container = f8.convert(nn.Sequential(model), "rowwise", fsdp_fp8_all_gather=gather)  # in place
+    w = container[0].weight
+    assert isinstance(container[0], f8.nn.Fp8Linear)
+    assert (w._tensor if gather else w).data_ptr() == model.weight.data_ptr()  # same storage, no copy
+    x = torch.randn(8, 64, requires_grad=True)
+    y_ref = f8.linear(x, ref.weight, ref.bias, recipe="rowwise")
+    y = container(x)
+    assert torch.equal(y, y_ref)
+    dy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, dy)
+    (gx_ref,) = torch.autograd.grad(y_ref, x, dy)
+    assert torch.equal(gx, gx_ref)
+
+
+def test_qwen3_converts_and_runs_compiled():
+    torch._dynamo.reset()
+    model = f8.convert(tiny_qwen3(layers=1), "tensorwise")
+    rows = f8.report(model, print_table=False)
+    assert sum(r.converted for r in rows) == 8  # q, k, v, o, gate, up, down, lm_head
+    ids = torch.randint(0, 256, (2, 64))
+    eager = model(input_ids=ids, labels=ids).loss
+    compiled = torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    compiled.backward()
+    assert model.lm_head.weight.grad is not None
+
+
+def test_fsdp_gathered_weight_refuses_other_uses():
+    from fp8func.distributed import Fp8GatheredWeight
+
+    q = f8.quantize(torch.randn(32, 64), f8.CastSpec())
+    w = Fp8GatheredWeight({"w": q}, (32, 64), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="only Fp8Linear can consume it"):
+        w + 1
+    assert isinstance(w.detach(), Fp8GatheredWeight)
