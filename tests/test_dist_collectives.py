@@ -110,3 +110,29 @@ def test_sharding_errors_say_how_to_fix():
     assert "Quantize the shard with sharding=fp8func.Sharding(mesh, placements)" in msgs[0]
     assert "local size 6 is not a multiple of block 4, so a block straddles two ranks" in msgs[1]
     assert "2 placements" in msgs[2] and "1-dim mesh" in msgs[2]
+
+
+def _sharding_of_dtensor(rank, world_size):
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    x = torch.randn(10, 32, generator=torch.Generator().manual_seed(5))
+    out = {}
+    for name, g, placement in (("tw_rows", f8.TensorWise(), Shard(0)), ("tw_cols", f8.TensorWise(), Shard(1)),
+                               ("row_rows", f8.AxisWise(-1), Shard(0)), ("row_cols", f8.AxisWise(-1), Shard(1))):
+        dt = distribute_tensor(x, mesh, [placement])
+        sharding = f8.Sharding.of(dt)
+        spec = f8.CastSpec(granularity=g)
+        q = f8.quantize(dt.to_local(), spec, sharding=sharding)
+        full = f8.all_gather(q, mesh, 0, placement.dim)
+        want = f8.quantize(x, spec)
+        out[name] = (torch.equal(full.data.view(torch.uint8), want.data.view(torch.uint8))
+                     and torch.equal(full.scale, want.scale), sharding.amax_mesh_dims(g, tuple(q.shape)))
+    return out
+
+
+def test_sharding_of_dtensor():
+    for r in run_workers(_sharding_of_dtensor, 2):
+        assert r["tw_rows"] == (True, (0,)) and r["tw_cols"] == (True, (0,))
+        assert r["row_rows"] == (True, ())  # a row scale lies wholly inside a row shard: no reduction
+        assert r["row_cols"] == (True, (0,))

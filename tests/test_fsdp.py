@@ -125,3 +125,20 @@ def test_fsdp_compiled_on_off_bitwise(recipe):
     off = run_workers(_train, 2, recipe, False, 3, True, "fp32-master", False, True)
     assert on[0]["losses"] == off[0]["losses"]
     assert on[0]["bytes"] < off[0]["bytes"] or recipe == "rowwise"
+
+
+def _misaligned_blocks(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = f8.convert(tiny_qwen3(layers=1), "blockwise")
+    fully_shard(model, mesh=mesh)
+    ids, labels = batch(0, rank)
+    try:
+        model(input_ids=ids, labels=labels)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fsdp_blockwise_misaligned_shards_raise_with_the_fix():
+    msg = run_workers(_misaligned_blocks, 4)[0]
+    assert "row shards of [64, 64, 64, 64] over 4 ranks" in msg and "fsdp_fp8_all_gather=False" in msg

@@ -100,10 +100,20 @@ class Fp8AllGatherWeight(torch.Tensor):
                 "shard_placement_fn for this parameter or convert with fsdp_fp8_all_gather=False."
             )
         # Exactly the cast FSDP2's default path applies before its all-gather.
+        sizes = chunk_sizes(n, mesh.size())
+        for _, spec in weight_casts(self._recipe):
+            b = block_lengths(spec.granularity, (n, k))[0]
+            if b is not None and any(s % b for s in sizes):
+                raise ValueError(
+                    f"fp8func: FSDP2 splits this {n}x{k} weight into row shards of {sizes} over "
+                    f"{mesh.size()} ranks, but its {spec.granularity!r} cast needs shards in multiples of "
+                    f"{b} rows (a block must not straddle ranks). Use sizes where {n}/{mesh.size()} is a "
+                    f"multiple of {b}, or convert this layer with fsdp_fp8_all_gather=False (still FP8, "
+                    "gathered in bf16), e.g. convert(model, recipe, filter=...) for the rest."
+                )
         param_dtype = mp_policy.param_dtype or self._tensor.dtype
         self._param_dtype = param_dtype
         shard = self._tensor.to(param_dtype)
-        sizes = chunk_sizes(n, mesh.size())
         padded = max(sizes)
         sharding = Sharding(mesh, (Shard(0),))
         inputs, metadata = [], []
