@@ -75,8 +75,10 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
             if precompute:
                 covered.append(f8.precompute_scales(model))
             losses.append(loss.detach().float().item())
-    n_fp8 = sum(p.numel() for m in model.modules() if isinstance(m, f8.nn.Fp8Linear) for p in [m.weight])
-    return {"losses": losses, "bytes": counter.bytes, "fp8_weight_numel": n_fp8, "covered": covered,
+    n_layers = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, f8.nn.Fp8Linear))
+    n_root = model.lm_head.weight.numel() if isinstance(model.lm_head, f8.nn.Fp8Linear) else 0
+    return {"losses": losses, "bytes": counter.bytes, "fp8_numel_layers": n_layers, "fp8_numel_root": n_root,
+            "covered": covered,
             "precomputed_used": len(used)}
 
 
@@ -89,19 +91,23 @@ def test_fsdp_fp8_all_gather_on_off_bitwise_and_bytes(recipe):
         assert r_on["losses"] == r_off["losses"], (r_on["losses"][:3], r_off["losses"][:3])
         assert all(torch.isfinite(torch.tensor(r_on["losses"])))
     saved = off[0]["bytes"] - on[0]["bytes"]
-    # Each training step gathers every layer twice (forward, and backward after resharding);
-    # the root (embeddings, final norm, lm_head) is gathered once.
-    fp8_bytes_per_gather = on[0]["fp8_weight_numel"] // 2  # this rank's shard, 1 byte per element
-    payloads = 1 if recipe in ("tensorwise", "blockwise") else 2
-    assert saved == steps * 2 * fp8_bytes_per_gather * (2 - payloads), (saved, on[0]["bytes"], off[0]["bytes"])
-    if payloads == 1:  # converted weights moved at half of bf16's bytes
-        assert saved > 0
+    # Every FSDP2 group here (reshard_after_forward=True, the root too) gathers its weights in the
+    # forward and again in the backward, one fp8 payload each time (row-wise: the forward's cast,
+    # then the backward's): 1 byte per weight element instead of bf16's 2, i.e. half.
+    world = 2
+    fp8_numel = on[0]["fp8_numel_layers"] + on[0]["fp8_numel_root"]
+    assert saved == steps * 2 * fp8_numel // world, (saved, on[0]["bytes"], off[0]["bytes"])
 
 
-def test_fsdp_bf16_weights_and_no_reshard():
-    on = run_workers(_train, 2, "tensorwise", True, 6, False, "bf16-weights")
-    off = run_workers(_train, 2, "tensorwise", False, 6, False, "bf16-weights")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fsdp_bf16_weights_and_no_reshard(recipe):
+    # No resharding after forward: one gather per step, and row-wise weights send both casts in it.
+    on = run_workers(_train, 2, recipe, True, 6, False, "bf16-weights")
+    off = run_workers(_train, 2, recipe, False, 6, False, "bf16-weights")
     assert on[0]["losses"] == off[0]["losses"]
+    fp8_numel = on[0]["fp8_numel_layers"] + on[0]["fp8_numel_root"]
+    payloads = 2 if recipe == "rowwise" else 1
+    assert off[0]["bytes"] - on[0]["bytes"] == 6 * (2 - payloads) * fp8_numel // 2
 
 
 def test_fsdp_four_ranks_rowwise():
@@ -142,3 +148,32 @@ def _misaligned_blocks(rank, world_size):
 def test_fsdp_blockwise_misaligned_shards_raise_with_the_fix():
     msg = run_workers(_misaligned_blocks, 4)[0]
     assert "row shards of [64, 64, 64, 64] over 4 ranks" in msg and "fsdp_fp8_all_gather=False" in msg
+
+
+def _checkpointed(rank, world_size, recipe, fp8_gather):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = tiny_qwen3()
+    f8.convert(model, recipe, fsdp_fp8_all_gather=fp8_gather)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(layer)
+        fully_shard(model.model.layers[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ids, labels = batch(0, rank)
+    try:
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+    except RuntimeError as e:
+        return str(e)
+    return loss.item()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_activation_checkpointing(recipe):
+    on = run_workers(_checkpointed, 2, recipe, True)[0]
+    off = run_workers(_checkpointed, 2, recipe, False)[0]
+    if recipe == "tensorwise":  # one cast serves both passes: checkpointing just works
+        assert on == off
+    else:  # never silently wrong: the recomputed forward finds only the backward's cast
+        assert isinstance(on, str) and "activation checkpointing recomputes the forward" in on, on

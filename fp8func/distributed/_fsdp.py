@@ -21,7 +21,9 @@ and 128x128 block weights move one payload, half of bf16.
 
 from __future__ import annotations
 
+import logging
 import math
+import weakref
 
 import torch
 import torch.utils._pytree as pytree
@@ -31,12 +33,13 @@ from .._autograd import weight_casts
 from .._collectives import _gather_padded
 from .._ops import quantize, quantize_with_scale
 from .._qtensor import Fp8Meta, Fp8Tensor
-from .._scaling import Recipe, TensorWise, block_lengths, compute_scale
+from .._scaling import Recipe, TensorWise, block_lengths, compute_amax, compute_scale
 from .._sharding import Sharding, reduce_amax
 
 __all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "chunk_sizes", "precompute_scales"]
 
 aten = torch.ops.aten
+log = logging.getLogger("fp8func")
 
 # Ops FSDP2 / init / state_dict loading apply to the sharded weight whose result must stay an
 # Fp8AllGatherWeight (sharding, padding, copying, moving). Everything else returns plain tensors.
@@ -69,6 +72,8 @@ class Fp8AllGatherWeight(torch.Tensor):
         self._recipe = recipe
         self._param_dtype: torch.dtype | None = None  # learnt at the first all-gather
         self._precomputed: tuple[int, torch.Tensor] | None = None  # (tensor version, scale)
+        self._fsdp_group = None  # weakref to FSDP2's param group, found at the first all-gather
+        self._n_slots: int | None = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -99,76 +104,164 @@ class Fp8AllGatherWeight(torch.Tensor):
                 f"{tuple(self._tensor.shape)}); the fp8 all-gather supports dim-0 sharding only. Drop the "
                 "shard_placement_fn for this parameter or convert with fsdp_fp8_all_gather=False."
             )
-        # Exactly the cast FSDP2's default path applies before its all-gather.
+        casts = weight_casts(self._recipe)
         sizes = chunk_sizes(n, mesh.size())
-        for _, spec in weight_casts(self._recipe):
-            b = block_lengths(spec.granularity, (n, k))[0]
-            if b is not None and any(s % b for s in sizes):
-                raise ValueError(
-                    f"fp8func: FSDP2 splits this {n}x{k} weight into row shards of {sizes} over "
-                    f"{mesh.size()} ranks, but its {spec.granularity!r} cast needs shards in multiples of "
-                    f"{b} rows (a block must not straddle ranks). Use sizes where {n}/{mesh.size()} is a "
-                    f"multiple of {b}, or convert this layer with fsdp_fp8_all_gather=False (still FP8, "
-                    "gathered in bf16), e.g. convert(model, recipe, filter=...) for the rest."
-                )
+        _check_block_alignment(casts, n, k, sizes, mesh.size())
+        # Exactly the cast FSDP2's default path applies before its all-gather.
         param_dtype = mp_policy.param_dtype or self._tensor.dtype
         self._param_dtype = param_dtype
         shard = self._tensor.to(param_dtype)
-        padded = max(sizes)
         sharding = Sharding(mesh, (Shard(0),))
-        inputs, metadata = [], []
-        casts = weight_casts(self._recipe)
-        precomputed = self._precomputed
+        slots = self._slots(module, [name for name, _ in casts])
+        inputs, entries = [], []
         for name, spec in casts:
-            if precomputed is not None and precomputed[0] == self._tensor._version and len(casts) == 1:
-                q = quantize_with_scale(shard, precomputed[1], spec, sharding=sharding)
-            else:
-                q = quantize(shard, spec, sharding=sharding)
-            data = q.data.view(torch.uint8)
-            if data.shape[0] < padded:  # FSDP2 wants every input at the padded shard size
-                data = torch.cat([data, data.new_zeros(padded - data.shape[0], k)])
+            q = self._cast(shard, spec, sharding, single=len(casts) == 1, data=name in slots)
             scale = q.scale
             b = block_lengths(spec.granularity, tuple(shard.shape))[0]
             if b is not None:  # row / block scales are split like the rows: gather them too
                 scale = _gather_padded(scale, 0, [s // b for s in sizes], mesh, 0)
-            inputs.append(data)
-            metadata.append((name, scale, Fp8Meta(spec, param_dtype)))
-        return tuple(inputs), (tuple(metadata), n)
+            if name in slots:
+                data = q.data.view(torch.uint8)
+                if data.shape[0] < max(sizes):  # FSDP2 wants every input at the padded shard size
+                    data = torch.cat([data, data.new_zeros(max(sizes) - data.shape[0], k)])
+                inputs.append(data)
+            entries.append((name, len(inputs) - 1 if name in slots else 0, scale, Fp8Meta(spec, param_dtype)))
+        return tuple(inputs), (tuple(entries), tuple(slots), n)
+
+    def _cast(self, shard, spec, sharding, *, single: bool, data: bool) -> Fp8Tensor:
+        precomputed = self._precomputed
+        if single and precomputed is not None and precomputed[0] == self._tensor._version:
+            return quantize_with_scale(shard, precomputed[1], spec, sharding=sharding)
+        if data:
+            return quantize(shard, spec, sharding=sharding)
+        # Only the scale is needed now (the payload travels in the other pass).
+        amax = reduce_amax(compute_amax(shard, spec.granularity), sharding.mesh,
+                           sharding.amax_mesh_dims(spec.granularity, tuple(shard.shape)))
+        scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
+        return Fp8Tensor(shard, scale, Fp8Meta(spec, shard.dtype))
+
+    def _slots(self, module, names: list[str]) -> list[str]:
+        """The casts whose payloads travel in this all-gather.
+
+        One cast: that one. Two (row-wise weights): when FSDP2 reshards after forward, the forward
+        gathers the forward's cast and the backward the grad_input's, into the same buffer (each
+        pass gathers half of bf16's bytes); otherwise both travel in the forward. The count must
+        not change between passes (FSDP2 sizes its buffers once).
+        """
+        if len(names) == 1:
+            return names
+        state, reshard = _fsdp_pass(self, module)
+        want = 1 if (state in ("forward", "backward") and reshard) else 2
+        if self._n_slots is None:
+            self._n_slots = want
+        elif self._n_slots != want:
+            raise RuntimeError(
+                f"fp8func: this row-wise weight was first all-gathered with {self._n_slots} cast(s) "
+                f"per all-gather and now needs {want} (FSDP2 state {state!r}, reshard_after_forward="
+                f"{reshard}): FSDP2 sizes its buffers once, so reshard_after_forward cannot change after "
+                "the first step, and an explicit unshard() outside forward/backward is not supported "
+                "for row-wise fp8 all-gather. Keep the setting fixed or convert with fsdp_fp8_all_gather=False."
+            )
+        if want == 2:
+            return names
+        return [names[0]] if state == "forward" else [names[1]]
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        entries, n = metadata
+        entries, slots, n = metadata
         casts = {
-            name: Fp8Tensor(buf[:n].view(meta.spec.dtype), scale, meta)
-            for buf, (name, scale, meta) in zip(all_gather_outputs, entries)
+            name: Fp8Tensor(all_gather_outputs[slot][:n].view(meta.spec.dtype), scale, meta)
+            for name, slot, scale, meta in entries
         }
         if out is not None:
             target = out._local_tensor if isinstance(out, DTensor) else out
             if not isinstance(target, Fp8GatheredWeight):
                 raise RuntimeError(f"fp8func: FSDP2 passed out={type(target).__name__}; expected an Fp8GatheredWeight.")
-            target.set_casts(casts)
+            target.set_casts(casts, slots)
             return None
         shape = (n, all_gather_outputs[0].shape[-1])
-        return Fp8GatheredWeight(casts, shape, param_dtype), ()
+        return Fp8GatheredWeight(casts, shape, param_dtype, slots), ()
+
+
+def _check_block_alignment(casts, n: int, k: int, sizes: list[int], world: int) -> None:
+    for _, spec in casts:
+        b = block_lengths(spec.granularity, (n, k))[0]
+        if b is not None and any(s % b for s in sizes):
+            raise ValueError(
+                f"fp8func: FSDP2 splits this {n}x{k} weight into row shards of {sizes} over "
+                f"{world} ranks, but its {spec.granularity!r} cast needs shards in multiples of "
+                f"{b} rows (a block must not straddle ranks). Use sizes where {n}/{world} is a "
+                f"multiple of {b}, or convert this layer with fsdp_fp8_all_gather=False (still FP8, "
+                "gathered in bf16), e.g. convert(model, recipe, filter=...) for the rest."
+            )
+
+
+def _fsdp_pass(weight: "Fp8AllGatherWeight", module) -> tuple[str, bool]:
+    """("forward" | "backward" | "unknown", reshard_after_forward) of the FSDP2 group holding ``weight``.
+
+    Reads FSDP2's own state (private attributes, looked up once per weight): the group's
+    training state during its unshard, and whether it reshards after forward.
+    """
+    group = weight._fsdp_group() if weight._fsdp_group is not None else None
+    if group is None:
+        group = _find_group(weight)
+        if group is None:
+            _warn_once("could not find this weight's FSDP2 parameter group; gathering both row-wise casts")
+            return "unknown", False
+        weight._fsdp_group = weakref.ref(group)
+    state = getattr(group, "_training_state", None)
+    name = getattr(state, "name", "")
+    pass_ = {"FORWARD": "forward", "PRE_BACKWARD": "backward"}.get(name, "unknown")
+    return pass_, getattr(group, "post_forward_mesh_info", None) is not None
+
+
+def _find_group(weight):
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:
+        return None
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        group = getattr(state, "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            if fsdp_param._sharded_local_tensor is weight:
+                return group
+    return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning("fp8func: %s", msg)
 
 
 class Fp8GatheredWeight(torch.Tensor):
     """The unsharded weight FSDP2 builds from fp8 payloads; only ``Fp8Linear`` consumes it."""
 
     @staticmethod
-    def __new__(cls, casts: dict[str, Fp8Tensor], shape, dtype):
+    def __new__(cls, casts: dict[str, Fp8Tensor], shape, dtype, valid=None):
         device = next(iter(casts.values())).data.device
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
 
-    def __init__(self, casts, shape, dtype):
-        self.set_casts(casts)
+    def __init__(self, casts, shape, dtype, valid=None):
+        self.set_casts(casts, tuple(casts) if valid is None else valid)
 
     @property
     def casts(self) -> dict[str, Fp8Tensor]:
         return self._casts
 
-    def set_casts(self, casts: dict[str, Fp8Tensor]) -> None:
+    @property
+    def valid(self) -> tuple[str, ...]:
+        """The casts whose payload this all-gather carried (the others share its buffer and are
+        filled by the other pass: FSDP2 refills the same storage before the backward)."""
+        return self._valid
+
+    def set_casts(self, casts: dict[str, Fp8Tensor], valid: tuple[str, ...]) -> None:
         # Inner tensors are attributes too: subclass flattening (dynamo, AOTAutograd) reads them so.
         self._casts = casts
+        self._valid = tuple(valid)
         for name, q in casts.items():
             setattr(self, f"_{name}_data", q.data)
             setattr(self, f"_{name}_scale", q.scale)
@@ -179,13 +272,13 @@ class Fp8GatheredWeight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         self = args[0]
         if func in (aten.detach.default, aten.alias.default):
-            return cls(self._casts, self.shape, self.dtype)
+            return cls(self._casts, self.shape, self.dtype, self._valid)
         if func in (aten.as_strided.default, aten.view.default):
             size = args[1]
             same_layout = func is aten.view.default or (
                 tuple(args[2]) == self.stride() and (len(args) < 4 or args[3] in (0, None)))
             if tuple(size) == tuple(self.shape) and same_layout:
-                return cls(self._casts, self.shape, self.dtype)
+                return cls(self._casts, self.shape, self.dtype, self._valid)
         raise RuntimeError(
             f"fp8func: {func} was called on a weight that FSDP2 all-gathered in FP8; only Fp8Linear "
             "can consume it. If another module uses this weight (tied embeddings, custom code), convert "
@@ -197,16 +290,17 @@ class Fp8GatheredWeight(torch.Tensor):
         for name in self._casts:
             names += [f"_{name}_data", f"_{name}_scale"]
         ctx = tuple((name, q.meta) for name, q in self._casts.items())
-        return names, (ctx, tuple(self.shape), self.dtype)
+        return names, (ctx, tuple(self.shape), self.dtype, self._valid)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        metas, shape, dtype = ctx
+        metas, shape, dtype, valid = ctx
         casts = {name: Fp8Tensor(inner[f"_{name}_data"], inner[f"_{name}_scale"], meta) for name, meta in metas}
-        return Fp8GatheredWeight(casts, shape, dtype)
+        return Fp8GatheredWeight(casts, shape, dtype, valid)
 
     def __repr__(self):
-        return f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, casts={list(self._casts)})"
+        return (f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, casts={list(self._casts)}, "
+                f"valid={list(self._valid)})")
 
 
 @torch.no_grad()

@@ -50,6 +50,14 @@ class Fp8Linear(nn.Linear):
         w = self.weight
         local = w._local_tensor if isinstance(w, DTensor) else w
         if isinstance(local, Fp8GatheredWeight):
+            if "w" not in local.valid:
+                raise RuntimeError(
+                    "fp8func: this layer's forward ran while FSDP2 held only its backward (grad_input) "
+                    "weight cast: activation checkpointing recomputes the forward inside the backward, "
+                    "after FSDP2 re-gathered the weight for the backward alone. Use fully_shard(..., "
+                    "reshard_after_forward=False) for checkpointed blocks, a tensorwise or blockwise "
+                    "recipe, or convert(..., fsdp_fp8_all_gather=False)."
+                )
             return linear_with_casts(x, w, self.bias, self.recipe, local.casts)
         return linear(x, w, self.bias, self.recipe)
 
