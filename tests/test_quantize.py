@@ -65,7 +65,7 @@ def test_all_zero_gives_finite_scale_and_zeros(dtype, g):
     x = torch.zeros(4, 6)
     q = f8.quantize(x, f8.CastSpec(dtype=dtype, granularity=g))
     assert torch.isfinite(q.scale).all() and (q.scale > 0).all()
-    assert torch.equal(q.scale, torch.full_like(q.scale, f8.EPS) / f8.fp8_max(dtype)) or isinstance(g, f8.MX)
+    assert torch.equal(q.scale, torch.full_like(q.scale, f8.EPS) * (1.0 / f8.fp8_max(dtype))) or isinstance(g, f8.MX)
     assert (q.data.float() == 0).all()
     assert torch.equal(f8.dequantize(q), x)
 
