@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ._formats import E4M3, E5M2
 from ._ops import dequantize
 from ._qtensor import Fp8Tensor
-from ._scaling import AxisWise, BlockWise, TensorWise, _norm_axis
+from ._scaling import MX, AxisWise, BlockWise, TensorWise, _norm_axis
 
 __all__ = ["gemm", "gemm_path", "hardware_kind"]
 
@@ -57,7 +57,22 @@ def hardware_kind(a: Fp8Tensor, b: Fp8Tensor) -> tuple[str | None, str]:
         if a.dtype != E4M3 or b.dtype != E4M3:
             return None, "block-wise scaled_mm takes e4m3 operands only"
         return "blockwise", ""
-    return None, f"no scaled_mm kernel for a={a.granularity!r} x b={b.granularity!r}"
+    return None, f"no scaled_mm kernel for a={_describe(a.granularity)} x b={_describe(b.granularity)}"
+
+
+def _describe(g) -> str:
+    """``repr(g)`` spelled out by hand: a dataclass ``__repr__`` calls ``_thread.get_ident``
+    (reprlib.recursive_repr), which torch.compile cannot trace, and this string is built at
+    trace time when a compiled call falls back to emulation."""
+    if isinstance(g, TensorWise):
+        return "TensorWise()"
+    if isinstance(g, AxisWise):
+        return f"AxisWise(axis={g.axis})"
+    if isinstance(g, BlockWise):
+        return "BlockWise(block=(" + ", ".join([str(b) for b in g.block]) + ("," if len(g.block) == 1 else "") + "))"
+    if isinstance(g, MX):
+        return f"MX(block={g.block}, axis={g.axis})"
+    return type(g).__name__
 
 
 def _device_supports(kind: str, device: torch.device) -> tuple[bool, str]:
@@ -137,6 +152,19 @@ def _rowwise_scales(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tensor, torch.Ten
     return sa, sb
 
 
+def _rowwise_out_dtype_ok(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether row-wise ``torch._scaled_mm`` writes ``out_dtype`` itself.
+
+    On sm90 with cuBLAS >= 12.9, torch runs row-wise scaling in cuBLAS, which writes fp32 too
+    (seen on an H200, torch 2.11+cu130). Elsewhere (sm89, sm100 with row-wise scales, older
+    CUDA) torch uses CUTLASS kernels that write bf16/fp16 only.
+    """
+    if device.type != "cuda" or out_dtype in (torch.bfloat16, torch.float16):
+        return True
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.cuda.get_device_capability(device)[0] == 9 and cuda >= (12, 9)
+
+
 def _scaled_mm(kind: str, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     da, db = _row_major(a.data), _col_major(b.data)
     if kind == "tensorwise":
@@ -144,18 +172,44 @@ def _scaled_mm(kind: str, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) ->
                                 out_dtype=out_dtype)
     if kind == "rowwise":
         sa, sb = _rowwise_scales(a, b)
-        if a.device.type == "cuda" and out_dtype != torch.bfloat16:
-            # sm90 row-wise kernels write bf16 only; the cast is the one extra rounding.
+        if not _rowwise_out_dtype_ok(a.device, out_dtype):
+            # CUTLASS row-wise kernels write bf16 only; the cast is the one extra rounding.
             return torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).to(out_dtype)
         return torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-    # blockwise: a scales [M, K/128] outer-dim-major; b scales K-major, K-blocks padded to 4.
+    b_128x128 = _canonical(b.granularity) == BlockWise((128, 128))
+    if torch.compiler.is_compiling():
+        # torch 2.11's dynamo cannot trace F.scaled_mm (torch._scaled_mm_v2 is not in its trace
+        # rules); an opaque custom op with a fake implementation keeps fullgraph=True working.
+        return _blockwise_scaled_mm_op(a.data, b.data, a.scale, b.scale, b_128x128, out_dtype)
+    return _blockwise_scaled_mm(a.data, b.data, a.scale, b.scale, b_128x128, out_dtype)
+
+
+def _blockwise_scaled_mm(da: torch.Tensor, db: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                         b_128x128: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """``F.scaled_mm`` for a 1x128 blocks [M, K] and b 128x128 or (128, 1) blocks [K, N].
+
+    Layouts cuBLASLt wants: a row-major, b column-major; a scales [M, K/128] outer-dim-major
+    (M contiguous); 128x128 b scales [K/128, N/128] K-major with the K-blocks padded to a
+    multiple of 4; (128, 1) b scales [K/128, N] given as [N, K/128] with N contiguous.
+    """
     S = F.ScalingType
-    sa = _col_major(a.scale)
-    if _canonical(b.granularity) == BlockWise((128, 128)):
-        sb, recipe_b = _pad_k_blocks(b.scale), S.BlockWise128x128
-    else:  # (128, 1) blocks on [K, N]: scales [K/128, N] given to cuBLAS as [N, K/128] col-major
-        sb, recipe_b = b.scale.contiguous().t(), S.BlockWise1x128
+    da, db, sa = _row_major(da), _col_major(db), _col_major(sa)
+    if b_128x128:
+        sb, recipe_b = _pad_k_blocks(sb), S.BlockWise128x128
+    else:
+        sb, recipe_b = sb.contiguous().t(), S.BlockWise1x128
     return F.scaled_mm(da, db, sa, S.BlockWise1x128, sb, recipe_b, output_dtype=out_dtype)
+
+
+@torch.library.custom_op("fp8func::blockwise_scaled_mm", mutates_args=())
+def _blockwise_scaled_mm_op(da: torch.Tensor, db: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                            b_128x128: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    return _blockwise_scaled_mm(da, db, sa, sb, b_128x128, out_dtype)
+
+
+@_blockwise_scaled_mm_op.register_fake
+def _(da, db, sa, sb, b_128x128, out_dtype):
+    return da.new_empty((da.shape[0], db.shape[1]), dtype=out_dtype)
 
 
 def _pad_k_blocks(scale: torch.Tensor) -> torch.Tensor:
@@ -190,7 +244,11 @@ def gemm(
     """
     chosen = gemm_path(a, b, path)
     if chosen == "emulated":
-        y = (dequantize(a, torch.float32) @ dequantize(b, torch.float32)).to(out_dtype)
+        # Canonical layouts (a row-major, b column-major, as scaled_mm takes them), so the result
+        # depends on the values alone, not on how a caller happened to lay them out.
+        a_hp = dequantize(a, torch.float32).contiguous()
+        b_hp = _col_major(dequantize(b, torch.float32))
+        y = (a_hp @ b_hp).to(out_dtype)
     else:
         y = _scaled_mm(chosen.removeprefix("scaled_mm_"), a, b, out_dtype)
     return y if bias is None else y + bias.to(out_dtype)

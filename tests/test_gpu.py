@@ -46,8 +46,11 @@ def test_hardware_matches_emulated(pair, shape, out_dtype):
     em = f8.gemm(a, b, out_dtype, path="emulated")
     assert hw.dtype == out_dtype
     ref = f8.dequantize(a, torch.float64) @ f8.dequantize(b, torch.float64)
-    # Same products, other accumulation order (and the output rounding).
-    floor = 45 if out_dtype == torch.bfloat16 else 80
+    # Same products, other accumulation order (and the output rounding). Hopper's FP8 tensor
+    # cores accumulate with fewer bits than fp32 (cuBLAS promotes to fp32 only between MMA
+    # chunks), so an fp32 output lands near 78 dB, not at the ~130 dB of an fp32 matmul; 70 dB
+    # still fails an output that went through bf16 (about 55 dB here).
+    floor = 45 if out_dtype == torch.bfloat16 else 70
     assert f8.sqnr(ref, hw) > floor, (f8.sqnr(ref, hw), f8.sqnr(ref, em))
     assert f8.sqnr(ref, em) > floor
 
@@ -71,6 +74,9 @@ def test_cuda_quantize_bitwise_equals_cpu_and_compiled(g, dtype, p2):
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8"])
 @pytest.mark.parametrize("compiled", [False, True])
+# Inductor's performance hint for the fp32 matmuls of the emulated reference, which the
+# _no_tf32 fixture keeps exact on purpose.
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores for float32 matrix multiplication:UserWarning")
 def test_linear_on_gpu_hardware_vs_emulated(recipe, compiled):
     torch._dynamo.reset()
     g = torch.Generator(device="cuda").manual_seed(0)
