@@ -90,7 +90,7 @@ def quantize(
     x: torch.Tensor,
     spec: CastSpec,
     *,
-    sharding: Sharding | None = None,
+    sharding: Sharding | tuple[Sharding, ...] | None = None,
     check_finite: bool = False,
 ) -> Fp8Tensor:
     """Quantizes ``x`` to FP8 with scales computed from its own amax (dynamic scaling).
@@ -119,10 +119,11 @@ def quantize(
     if check_finite:
         _check_finite(x)
     amax = compute_amax(x, spec.granularity)
-    if sharding is not None:
-        amax = reduce_amax(amax, sharding.mesh, sharding.amax_mesh_dims(spec.granularity, tuple(x.shape)))
+    shardings = () if sharding is None else (sharding,) if isinstance(sharding, Sharding) else tuple(sharding)
+    for sh in shardings:  # nested shardings (FSDP over TP): reduce over each one's split dims
+        amax = reduce_amax(amax, sh.mesh, sh.amax_mesh_dims(spec.granularity, tuple(x.shape)))
     scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
-    return quantize_with_scale(x, scale, spec, sharding=sharding)
+    return quantize_with_scale(x, scale, spec, sharding=shardings[0] if len(shardings) == 1 else None)
 
 
 def dequantize(q: Fp8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

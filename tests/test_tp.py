@@ -119,3 +119,55 @@ def test_seed_scenario_colwise_dtensor_outputs_use_the_global_amax(recipe):
         assert r["sharded_quantizations"] > 0 and r["all_global"], r
         assert r["finite"] and r["grads_finite"], r
         assert r["rel_out"] < 1e-5 and r["rel_wgrad"] < 1e-5, r
+
+
+def _fsdp_tp(rank, world_size, recipe, fp8_gather, steps):
+    """FSDP2 over dp x TP over tp (2 x 2), or (world 1) the same model on one rank, same data."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    two_d = world_size == 4
+    mesh = init_device_mesh("cpu", (2, 2) if two_d else (1,), mesh_dim_names=("dp", "tp") if two_d else ("dp",))
+    dp_mesh = mesh["dp"]
+    model = tiny_qwen3()
+    f8.convert(model, recipe, fsdp_fp8_all_gather=fp8_gather)
+    if two_d:
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], QWEN_TP_PLAN)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    head_norms = [p for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(steps):
+        if two_d:
+            ids, labels = batch(step, mesh.get_local_rank("dp"), batch_size=2, seq=128)
+        else:  # both dp ranks' batches at once: the mean loss and gradient of the 2-D run
+            parts = [batch(step, r, batch_size=2, seq=128) for r in range(2)]
+            ids, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        if two_d:
+            for p in head_norms:  # per-head norms inside the TP region: partial over tp
+                torch.distributed.all_reduce(p.grad.to_local(), group=mesh["tp"].get_group())
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        if two_d:
+            torch.distributed.all_reduce(mean, group=dp_mesh.get_group())
+            mean /= 2
+        losses.append(mean.item())
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fsdp_x_tp_2d(recipe):
+    steps = 20
+    on = run_workers(_fsdp_tp, 4, recipe, True, steps)
+    off = run_workers(_fsdp_tp, 4, recipe, False, steps)
+    single = run_workers(_fsdp_tp, 1, recipe, False, steps)[0]
+    assert on[0] == off[0], "FSDP fp8 all-gather on/off must stay bitwise equal under 2D"
+    t, s = torch.tensor(on[0]), torch.tensor(single)
+    assert torch.isfinite(t).all()
+    assert ((t - s).abs() / s.abs()).max() < 1e-3, (on[0][:4], single[:4])

@@ -72,7 +72,7 @@ class Fp8AllGatherWeight(torch.Tensor):
         self._recipe = recipe
         self._param_dtype: torch.dtype | None = None  # learnt at the first all-gather
         self._precomputed: tuple[int, torch.Tensor] | None = None  # (tensor version, scale)
-        self._fsdp_group = None  # weakref to FSDP2's param group, found at the first all-gather
+        self._fsdp_group = None  # weakrefs to FSDP2's (param group, FSDPParam), found at the first all-gather
         self._n_slots: int | None = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -111,7 +111,9 @@ class Fp8AllGatherWeight(torch.Tensor):
         param_dtype = mp_policy.param_dtype or self._tensor.dtype
         self._param_dtype = param_dtype
         shard = self._tensor.to(param_dtype)
-        sharding = Sharding(mesh, (Shard(0),))
+        # FSDP2 splits the rows over its mesh; under 2D (FSDP x TP) the tensor it shards is itself
+        # a TP shard, whose amax must be reduced over the TP mesh as well.
+        sharding = (Sharding(mesh, (Shard(0),)),) + self._tp_sharding()
         slots = self._slots(module, [name for name, _ in casts])
         inputs, entries = [], []
         for name, spec in casts:
@@ -135,10 +137,19 @@ class Fp8AllGatherWeight(torch.Tensor):
         if data:
             return quantize(shard, spec, sharding=sharding)
         # Only the scale is needed now (the payload travels in the other pass).
-        amax = reduce_amax(compute_amax(shard, spec.granularity), sharding.mesh,
-                           sharding.amax_mesh_dims(spec.granularity, tuple(shard.shape)))
+        amax = compute_amax(shard, spec.granularity)
+        for sh in sharding:
+            amax = reduce_amax(amax, sh.mesh, sh.amax_mesh_dims(spec.granularity, tuple(shard.shape)))
         scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
         return Fp8Tensor(shard, scale, Fp8Meta(spec, shard.dtype))
+
+    def _tp_sharding(self) -> tuple[Sharding, ...]:
+        """The TP sharding of the tensor FSDP2 shards (empty when the weight is not a DTensor)."""
+        found = _find_param(self)
+        spec = getattr(found[1], "_unsharded_dtensor_spec", None) if found else None
+        if spec is None:
+            return ()
+        return (Sharding(spec.mesh, tuple(spec.placements)),)
 
     def _slots(self, module, names: list[str]) -> list[str]:
         """The casts whose payloads travel in this all-gather.
@@ -201,20 +212,23 @@ def _fsdp_pass(weight: "Fp8AllGatherWeight", module) -> tuple[str, bool]:
     Reads FSDP2's own state (private attributes, looked up once per weight): the group's
     training state during its unshard, and whether it reshards after forward.
     """
-    group = weight._fsdp_group() if weight._fsdp_group is not None else None
-    if group is None:
-        group = _find_group(weight)
-        if group is None:
-            _warn_once("could not find this weight's FSDP2 parameter group; gathering both row-wise casts")
-            return "unknown", False
-        weight._fsdp_group = weakref.ref(group)
+    found = _find_param(weight)
+    if found is None:
+        _warn_once("could not find this weight's FSDP2 parameter group; gathering both row-wise casts")
+        return "unknown", False
+    group = found[0]
     state = getattr(group, "_training_state", None)
     name = getattr(state, "name", "")
     pass_ = {"FORWARD": "forward", "PRE_BACKWARD": "backward"}.get(name, "unknown")
     return pass_, getattr(group, "post_forward_mesh_info", None) is not None
 
 
-def _find_group(weight):
+def _find_param(weight):
+    """(FSDP2 param group, FSDPParam) that hold ``weight``, looked up once and cached weakly."""
+    if weight._fsdp_group is not None:
+        group, fsdp_param = weight._fsdp_group[0](), weight._fsdp_group[1]()
+        if group is not None and fsdp_param is not None:
+            return group, fsdp_param
     try:
         from torch.distributed._composable_state import _module_state_mapping
     except ImportError:
@@ -224,7 +238,8 @@ def _find_group(weight):
         group = getattr(state, "_fsdp_param_group", None)
         for fsdp_param in getattr(group, "fsdp_params", ()):
             if fsdp_param._sharded_local_tensor is weight:
-                return group
+                weight._fsdp_group = (weakref.ref(group), weakref.ref(fsdp_param))
+                return group, fsdp_param
     return None
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._autograd import linear, linear_with_casts
+from .._qtensor import Fp8Tensor
 from .._scaling import Recipe
 from ..distributed._fsdp import Fp8AllGatherWeight, Fp8GatheredWeight
 
@@ -58,8 +59,24 @@ class Fp8Linear(nn.Linear):
                     "reshard_after_forward=False) for checkpointed blocks, a tensorwise or blockwise "
                     "recipe, or convert(..., fsdp_fp8_all_gather=False)."
                 )
-            return linear_with_casts(x, w, self.bias, self.recipe, local.casts)
+            casts = local.casts if local is w else _as_dtensors(local.casts, w)
+            return linear_with_casts(x, w, self.bias, self.recipe, casts)
         return linear(x, w, self.bias, self.recipe)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, fsdp_fp8_all_gather={self.fsdp_fp8_all_gather}"
+
+
+def _as_dtensors(casts: dict[str, Fp8Tensor], like: DTensor) -> dict[str, Fp8Tensor]:
+    """Casts of a TP-sharded weight as DTensors on its mesh: data placed like the weight, each
+    scale sharded where it has one entry per row/block and replicated where it spans the dim."""
+    mesh, placements = like.device_mesh, tuple(like.placements)
+    out = {}
+    for name, q in casts.items():
+        scale_placements = tuple(
+            Replicate() if isinstance(p, Shard) and q.scale.shape[p.dim] == 1 else p for p in placements
+        )
+        data = DTensor.from_local(q.data, mesh, placements, run_check=False)
+        scale = DTensor.from_local(q.scale, mesh, scale_placements, run_check=False)
+        out[name] = Fp8Tensor(data, scale, q.meta)
+    return out
