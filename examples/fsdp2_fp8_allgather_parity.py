@@ -13,8 +13,8 @@ Runs on GPUs (NCCL) or CPUs (gloo, ``--device cpu`` with a smaller ``--hidden``)
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
+import math
 import os
 
 import torch
@@ -23,19 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp8func as f8
-
-
-def build_model(args):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads, max_position_embeddings=args.seq, tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(config)
+from _common import add_model_args, build_qwen3, environment, local_device, model_line
 
 
 def convert(model, lib, fp8_gather):
@@ -48,7 +36,7 @@ def convert(model, lib, fp8_gather):
 
 
 def train(args, mesh, device, lib, fp8_gather, compiled):
-    model = build_model(args).to(device)
+    model = build_qwen3(args, device)
     convert(model, lib, fp8_gather)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -80,59 +68,54 @@ def compare(on, off):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=3072)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-4)
+    add_model_args(p, seq=512, batch=4)
     p.add_argument("--libs", default="fp8func,torchao")
     p.add_argument("--modes", default="eager,compiled")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", help="write the table and the loss curves here (rank 0)")
+    p.add_argument("--control", default="fp8func",
+                   help="libraries whose off run is repeated: the run-to-run reproducibility floor")
+    p.add_argument("--no-deterministic", dest="deterministic", action="store_false",
+                   help="allow non-deterministic GPU kernels (atomics in attention backward, autotuning)")
     args = p.parse_args()
+    if args.deterministic:
+        # Bitwise comparisons need bitwise-reproducible runs: deterministic kernels, a fixed cuBLAS
+        # workspace, and no benchmark-driven kernel choices in inductor.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if hasattr(torch._inductor.config, "deterministic"):
+            torch._inductor.config.deterministic = True
 
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank()
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    device = local_device(args.device)
     mesh = init_device_mesh(args.device, (dist.get_world_size(),))
 
     rows, curves = [], {}
     for lib in args.libs.split(","):
         for mode in args.modes.split(","):
             runs = {}
-            for fp8_gather in (True, False):
+            for key, fp8_gather in (("on", True), ("off", False)) + ((("off again", False),) if lib in args.control else ()):
                 torch._dynamo.reset()
-                runs[fp8_gather] = train(args, mesh, device, lib, fp8_gather, mode == "compiled")
-            first, worst = compare(runs[True], runs[False])
-            rows.append({"lib": lib, "mode": mode, "first_differing_step": first, "max_abs_diff": worst,
-                         "final_loss_on": runs[True][-1], "final_loss_off": runs[False][-1],
-                         "finite": all(map(lambda v: v == v and abs(v) != float("inf"), runs[True] + runs[False]))})
+                runs[key] = train(args, mesh, device, lib, fp8_gather, mode == "compiled")
+            pairs = [("on vs off", "on", "off")] + ([("off vs off (control)", "off again", "off")] if "off again" in runs else [])
+            for label, x, y in pairs:
+                first, worst = compare(runs[x], runs[y])
+                rows.append({"lib": lib, "mode": mode, "pair": label, "first_differing_step": first, "max_abs_diff": worst,
+                             "final_a": runs[x][-1], "final_b": runs[y][-1],
+                             "finite": all(math.isfinite(v) for v in runs[x] + runs[y])})
+                if rank == 0:
+                    print(rows[-1], flush=True)
             curves[f"{lib}/{mode}"] = runs
-            if rank == 0:
-                print(rows[-1], flush=True)
 
     if rank == 0:
-        env = {"command": "torchrun --nproc-per-node %d %s" % (dist.get_world_size(), " ".join(os.sys.argv)),
-               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-               "world_size": dist.get_world_size(), "torch": torch.__version__,
-               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+        env = environment(dist.get_world_size(), args.device)
         print(" | ".join(f"{k}: {v}" for k, v in env.items()))
-        print(f"Qwen3 {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, seq {args.seq}, "
-              f"batch {args.batch}/rank, fp32 master + bf16 MP, tensorwise, {args.steps} steps")
-        print("| library | mode | first differing step (on vs off) | max abs loss diff | final loss on / off |")
-        print("|---|---|---|---|---|")
+        print(model_line(args) + ", fp32 master + bf16 MP, tensorwise")
+        print("| library | mode | runs compared | first differing step | max abs loss diff | final losses | finite |")
+        print("|---|---|---|---|---|---|---|")
         for r in rows:
             first = "none (bitwise equal)" if r["first_differing_step"] is None else str(r["first_differing_step"])
-            print(f"| {r['lib']} | {r['mode']} | {first} | {r['max_abs_diff']:.3e} | "
-                  f"{r['final_loss_on']:.6f} / {r['final_loss_off']:.6f} |")
+            print(f"| {r['lib']} | {r['mode']} | {r['pair']} | {first} | {r['max_abs_diff']:.3e} | "
+                  f"{r['final_a']:.6f} / {r['final_b']:.6f} | {r['finite']} |")
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"environment": env, "args": vars(args), "rows": rows, "curves": curves}, fh)

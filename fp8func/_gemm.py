@@ -19,6 +19,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ._formats import E4M3, E5M2
 from ._ops import dequantize
@@ -242,6 +243,9 @@ def gemm(
         >>> f8.gemm(a, b, out_dtype=torch.float32).shape
         torch.Size([32, 16])
     """
+    if isinstance(a.data, DTensor) or isinstance(b.data, DTensor):
+        y = _gemm_sharded(a, b, out_dtype, path)
+        return y if bias is None else y + bias.to(out_dtype)
     chosen = gemm_path(a, b, path)
     if chosen == "emulated":
         # Canonical layouts (a row-major, b column-major, as scaled_mm takes them), so the result
@@ -252,3 +256,48 @@ def gemm(
     else:
         y = _scaled_mm(chosen.removeprefix("scaled_mm_"), a, b, out_dtype)
     return y if bias is None else y + bias.to(out_dtype)
+
+
+def _local(q: Fp8Tensor) -> tuple[Fp8Tensor, tuple]:
+    """The local shard of a DTensor-backed Fp8Tensor, with its data placements.
+
+    A scale still holding partial maxima (``Partial("max")``, from an amax over a sharded dim) is
+    reduced first: every shard must be cast and multiplied with the logical tensor's scale.
+    """
+    data, scale = q.data, q.scale
+    if not isinstance(scale, DTensor):
+        scale = DTensor.from_local(scale, data.device_mesh, [Replicate()] * data.device_mesh.ndim, run_check=False)
+    if any(p.is_partial() for p in scale.placements):
+        scale = scale.redistribute(scale.device_mesh, [Replicate() if p.is_partial() else p for p in scale.placements])
+    return Fp8Tensor(data.to_local(), scale.to_local(), q.meta), tuple(data.placements)
+
+
+def _gemm_sharded(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, path: str) -> torch.Tensor:
+    """``gemm`` of DTensor operands: the local GEMM on each rank's shards, placed explicitly.
+
+    Per mesh dim: (Replicate, Replicate) -> Replicate; (Shard(0), Replicate) -> Shard(0);
+    (Replicate, Shard(1)) -> Shard(1); (Shard(1), Shard(0)) -> Partial (the contraction dim is
+    split: partial sums). Local shards are laid out for scaled_mm here, not by DTensor, whose
+    redistributions produce layouts cuBLASLt rejects.
+    """
+    if not (isinstance(a.data, DTensor) and isinstance(b.data, DTensor)) or a.data.device_mesh != b.data.device_mesh:
+        raise ValueError(
+            "gemm: one operand is a DTensor and the other is not (or they live on different meshes); "
+            "make both DTensors on one mesh (DTensor.from_local with their placements)."
+        )
+    mesh = a.data.device_mesh
+    la, pa = _local(a)
+    lb, pb = _local(b)
+    out = []
+    for i, (x, y) in enumerate(zip(pa, pb)):
+        rule = {(Replicate(), Replicate()): Replicate(), (Shard(0), Replicate()): Shard(0),
+                (Replicate(), Shard(1)): Shard(1), (Shard(1), Shard(0)): Partial()}.get((x, y))
+        if rule is None:
+            raise ValueError(
+                f"gemm: operands placed {x} (a) and {y} (b) on mesh dim {i}; supported pairs are "
+                "(Replicate, Replicate), (Shard(0), Replicate), (Replicate, Shard(1)) and (Shard(1), Shard(0)). "
+                "Redistribute the high-precision tensor before quantizing it."
+            )
+        out.append(rule)
+    local = gemm(la, lb, out_dtype, path=path)
+    return DTensor.from_local(local, mesh, out, run_check=False)

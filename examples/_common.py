@@ -1,0 +1,58 @@
+"""Shared by the examples: a Qwen3 built from command-line sizes (no download), run metadata."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+
+
+def add_model_args(p: argparse.ArgumentParser, *, seq: int, batch: int) -> None:
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=3072)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", help="write the table and the loss curves here (rank 0)")
+
+
+def build_qwen3(args, device="cpu", dtype=torch.float32):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads, max_position_embeddings=args.seq, tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).to(device=device, dtype=dtype)
+
+
+def model_line(args) -> str:
+    return (f"Qwen3 {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, heads {args.heads}/"
+            f"{args.kv_heads} kv, vocab {args.vocab}, seq {args.seq}, batch {args.batch}/rank, {args.steps} steps")
+
+
+def environment(world: int, device: str) -> dict[str, str]:
+    return {"command": f"torchrun --nproc-per-node {world} " + " ".join(sys.argv),
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "cuda": str(torch.version.cuda),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "deterministic": str(torch.are_deterministic_algorithms_enabled())}
+
+
+def local_device(device: str) -> torch.device:
+    if device != "cuda":
+        return torch.device("cpu")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cuda", torch.cuda.current_device())
