@@ -22,6 +22,7 @@ def add_model_args(p: argparse.ArgumentParser, *, seq: int, batch: int) -> None:
     p.add_argument("--batch", type=int, default=batch)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--attn", default="sdpa", help="HF attention implementation (sdpa, eager)")
     p.add_argument("--json", help="write the table and the loss curves here (rank 0)")
 
 
@@ -32,7 +33,7 @@ def build_qwen3(args, device="cpu", dtype=torch.float32):
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         head_dim=args.hidden // args.heads, max_position_embeddings=args.seq, tie_word_embeddings=False,
-        attn_implementation="sdpa",
+        attn_implementation=args.attn,
     )
     torch.manual_seed(0)
     return Qwen3ForCausalLM(config).to(device=device, dtype=dtype)
@@ -40,7 +41,8 @@ def build_qwen3(args, device="cpu", dtype=torch.float32):
 
 def model_line(args) -> str:
     return (f"Qwen3 {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, heads {args.heads}/"
-            f"{args.kv_heads} kv, vocab {args.vocab}, seq {args.seq}, batch {args.batch}/rank, {args.steps} steps")
+            f"{args.kv_heads} kv, vocab {args.vocab}, seq {args.seq}, batch {args.batch}/rank, {args.steps} steps, "
+            f"{args.attn} attention")
 
 
 def environment(world: int, device: str) -> dict[str, str]:

@@ -75,6 +75,7 @@ def main():
                    help="libraries whose off run is repeated: the run-to-run reproducibility floor")
     p.add_argument("--no-deterministic", dest="deterministic", action="store_false",
                    help="allow non-deterministic GPU kernels (atomics in attention backward, autotuning)")
+    p.set_defaults(attn="eager")  # SDPA's flash backward accumulates with atomics: not reproducible
     args = p.parse_args()
     if args.deterministic:
         # Bitwise comparisons need bitwise-reproducible runs: deterministic kernels, a fixed cuBLAS
