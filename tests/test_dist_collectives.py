@@ -136,3 +136,31 @@ def test_sharding_of_dtensor():
         assert r["tw_rows"] == (True, (0,)) and r["tw_cols"] == (True, (0,))
         assert r["row_rows"] == (True, ())  # a row scale lies wholly inside a row shard: no reduction
         assert r["row_cols"] == (True, (0,))
+
+
+def _more_errors(rank, world_size):
+    from torch.distributed.tensor import Partial
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    msgs = []
+    for make in (lambda: f8.Sharding("mesh", (Shard(0),)), lambda: f8.Sharding(mesh, (Partial(),)),
+                 lambda: f8.Sharding.of(torch.ones(2))):
+        try:
+            make()
+        except (TypeError, ValueError) as e:
+            msgs.append(str(e))
+    q = f8.quantize(torch.randn(4, 16), f8.CastSpec(granularity=f8.BlockWise((4, 4))),
+                    sharding=f8.Sharding(mesh, (Shard(0),)))
+    try:
+        f8.all_gather(q, mesh, sizes=[4, 2])
+    except ValueError as e:
+        msgs.append(str(e))
+    return msgs
+
+
+def test_more_sharding_errors():
+    msgs = run_workers(_more_errors, 2)[0]
+    assert "expected a torch.distributed DeviceMesh" in msgs[0]
+    assert "a Partial() placement holds partial sums" in msgs[1]
+    assert "Sharding.of: expected a DTensor, got Tensor" in msgs[2]
+    assert "shard sizes [4, 2] along dim 0 are not multiples of block 4" in msgs[3]

@@ -104,3 +104,18 @@ def test_fsdp_gathered_weight_refuses_other_uses():
     with pytest.raises(RuntimeError, match="only Fp8Linear can consume it"):
         w + 1
     assert isinstance(w.detach(), Fp8GatheredWeight)
+
+
+def test_shell_errors():
+    with pytest.raises(TypeError, match=r"convert: recipe=3; expected a Recipe or a name"):
+        f8.convert(Net(), 3)
+    with pytest.raises(ValueError, match="the model itself is an nn.Linear; wrap it in a module first"):
+        f8.convert(nn.Linear(64, 64))
+    from fp8func._autograd import linear_with_casts
+
+    w = torch.randn(32, 64)
+    q = f8.quantize(w, f8.CastSpec())
+    with pytest.raises(ValueError, match=r"recipe 'rowwise' needs casts \['w', 'w_t'\], got \['w'\]"):
+        linear_with_casts(torch.randn(4, 64), w, None, f8.Recipe.from_name("rowwise"), {"w": q})
+    with pytest.raises(TypeError, match="all_gather: expected an Fp8Tensor, got Tensor"):
+        f8.all_gather(w, None)
