@@ -167,22 +167,22 @@ def _rowwise_out_dtype_ok(device: torch.device, out_dtype: torch.dtype) -> bool:
 
 
 def _scaled_mm(kind: str, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if kind == "blockwise":  # lays out its own operands (inside the custom op when compiling)
+        b_128x128 = _canonical(b.granularity) == BlockWise((128, 128))
+        if torch.compiler.is_compiling():
+            # torch 2.11's dynamo cannot trace F.scaled_mm (torch._scaled_mm_v2 is not in its trace
+            # rules); an opaque custom op with a fake implementation keeps fullgraph=True working.
+            return _blockwise_scaled_mm_op(a.data, b.data, a.scale, b.scale, b_128x128, out_dtype)
+        return _blockwise_scaled_mm(a.data, b.data, a.scale, b.scale, b_128x128, out_dtype)
     da, db = _row_major(a.data), _col_major(b.data)
     if kind == "tensorwise":
         return torch._scaled_mm(da, db, scale_a=a.scale.reshape(()), scale_b=b.scale.reshape(()),
                                 out_dtype=out_dtype)
-    if kind == "rowwise":
-        sa, sb = _rowwise_scales(a, b)
-        if not _rowwise_out_dtype_ok(a.device, out_dtype):
-            # CUTLASS row-wise kernels write bf16 only; the cast is the one extra rounding.
-            return torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).to(out_dtype)
-        return torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-    b_128x128 = _canonical(b.granularity) == BlockWise((128, 128))
-    if torch.compiler.is_compiling():
-        # torch 2.11's dynamo cannot trace F.scaled_mm (torch._scaled_mm_v2 is not in its trace
-        # rules); an opaque custom op with a fake implementation keeps fullgraph=True working.
-        return _blockwise_scaled_mm_op(a.data, b.data, a.scale, b.scale, b_128x128, out_dtype)
-    return _blockwise_scaled_mm(a.data, b.data, a.scale, b.scale, b_128x128, out_dtype)
+    sa, sb = _rowwise_scales(a, b)  # kind == "rowwise"
+    if not _rowwise_out_dtype_ok(a.device, out_dtype):
+        # CUTLASS row-wise kernels write bf16 only; the cast is the one extra rounding.
+        return torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).to(out_dtype)
+    return torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
 
 
 def _blockwise_scaled_mm(da: torch.Tensor, db: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
