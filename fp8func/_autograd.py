@@ -39,6 +39,22 @@ def weight_casts(recipe: Recipe) -> list[tuple[str, CastSpec]]:
     return casts
 
 
+def activation_casts(recipe: Recipe) -> list[tuple[str, CastSpec]]:
+    """The casts of an input ``x [M, K]`` that a linear layer consumes, as specs on ``[M, K]``.
+
+    ``"x"``: the forward's (contraction K last). ``"x_t"``: the grad_weight GEMM's, cast along
+    M, present only when the forward's cannot be reused for it bitwise. Empty when the recipe
+    computes grad_weight in high precision (it then needs ``x`` itself).
+    """
+    if recipe.grad_weight_hp:
+        return []
+    casts = [("x", recipe.input)]
+    if not _transpose_invariant(recipe.input):
+        spec = recipe.input
+        casts.append(("x_t", spec.with_granularity(transpose_granularity(spec.granularity, 2, 0, 1))))
+    return casts
+
+
 def _cast_b(t: torch.Tensor, spec: CastSpec) -> Fp8Tensor:
     """The GEMM's b operand ``t [K, N]`` cast along its contraction axis K.
 
@@ -54,10 +70,16 @@ class _LinearFn(torch.autograd.Function):
     # ``casts``: None (cast ``weight`` here), or the weight's casts made elsewhere (FSDP2's fp8
     # all-gather) as (w_data, w_scale, w_t_data, w_t_scale), see ``weight_casts``.
 
+    # ``x_data`` ...: the same for the input (a sequence-parallel fp8 all-gather), see
+    # ``activation_casts``; ``x`` then only routes the gradient and is not read.
+
     @staticmethod
-    def forward(x, weight, bias, recipe: Recipe, w_data, w_scale, wt_data, wt_scale):
-        x2 = x.reshape(-1, x.shape[-1])
-        qx = quantize(x2, recipe.input)
+    def forward(x, weight, bias, recipe: Recipe, w_data, w_scale, wt_data, wt_scale,
+                x_data=None, x_scale=None, xt_data=None, xt_scale=None):
+        if x_data is None:
+            qx = quantize(x.reshape(-1, x.shape[-1]), recipe.input)
+        else:
+            qx = Fp8Tensor(x_data.view_as(x_data), x_scale.view_as(x_scale), Fp8Meta(recipe.input, x.dtype))
         if w_data is None:
             qw = quantize(weight, recipe.weight)  # [N, K], contraction last
         else:
@@ -69,7 +91,7 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, recipe, _, _, wt_data, wt_scale = inputs
+        x, weight, bias, recipe, _, _, wt_data, wt_scale, x_data, _, xt_data, xt_scale = (inputs + (None,) * 4)[:12]
         _, qx_data, qx_scale, qw_data, qw_scale = output
         ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale)
         ctx.recipe = recipe
@@ -79,7 +101,15 @@ class _LinearFn(torch.autograd.Function):
         ctx.reuse_x = not recipe.grad_weight_hp and _transpose_invariant(recipe.input)
         ctx.reuse_w = recipe.grad_input_weight is None and _transpose_invariant(recipe.weight)
         ctx.given_wt = wt_data is not None
-        keep_x = (qx_data, qx_scale) if ctx.reuse_x else (x, x)
+        ctx.given_xt = xt_data is not None
+        if x_data is not None and not (ctx.reuse_x or ctx.given_xt):
+            raise ValueError(f"linear: recipe {recipe.name!r} needs the input itself or its 'x_t' cast in the backward.")
+        if ctx.reuse_x:
+            keep_x = qx_data, qx_scale
+        elif ctx.given_xt:
+            keep_x = xt_data, xt_scale
+        else:
+            keep_x = x, x
         if ctx.reuse_w:
             keep_w = qw_data, qw_scale
         elif ctx.given_wt:
@@ -105,19 +135,22 @@ class _LinearFn(torch.autograd.Function):
                 b = _cast_b(w_a, recipe.weight_for_grad_input)  # [N, K] along N
             dx = gemm(qdy, b, out_dtype=ctx.x_dtype, path=recipe.path).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            if ctx.reuse_x:
-                qx = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype))
-            x2 = x_a.reshape(-1, x_a.shape[-1]) if not ctx.reuse_x else None
             if recipe.grad_weight_hp:
+                x2 = x_a.reshape(-1, x_a.shape[-1])
                 dw = dy2.t().to(x2.dtype) @ x2
             else:
                 qdy_t = quantize(dy2.t(), recipe.grad_output)  # [N, M] along M
-                b = qx if ctx.reuse_x else _cast_b(x2, recipe.input)  # [M, K] along M
+                if ctx.reuse_x:
+                    b = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype))
+                elif ctx.given_xt:
+                    b = Fp8Tensor(x_a, x_b, Fp8Meta(activation_casts(recipe)[1][1], ctx.x_dtype))
+                else:
+                    b = _cast_b(x_a.reshape(-1, x_a.shape[-1]), recipe.input)  # [M, K] along M
                 dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path)
             dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
     @staticmethod
     def vmap(info, in_dims, x, weight, bias, recipe, *casts):
@@ -190,7 +223,7 @@ def linear(
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"linear: bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},).")
     _check_gemm_shapes(recipe, x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0])
-    return _LinearFn.apply(x, weight, bias, recipe, None, None, None, None)[0]
+    return _LinearFn.apply(x, weight, bias, recipe, None, None, None, None, None, None, None, None)[0]
 
 
 def linear_with_casts(
@@ -198,7 +231,8 @@ def linear_with_casts(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     recipe: Recipe,
-    casts: dict[str, Fp8Tensor],
+    casts: dict[str, Fp8Tensor] | None,
+    x_casts: dict[str, Fp8Tensor] | None = None,
 ) -> torch.Tensor:
     """``linear`` with the weight's casts made elsewhere (e.g. gathered in FP8 by FSDP2).
 
@@ -206,10 +240,16 @@ def linear_with_casts(
     ``weight`` only routes the gradient (its values are not read). Bitwise the same as
     ``linear(x, w_hp, ...)`` when the casts are ``quantize(w_hp, spec)`` for those specs.
     """
-    names = [name for name, _ in weight_casts(recipe)]
-    if sorted(casts) != sorted(names):
-        raise ValueError(f"linear_with_casts: recipe {recipe.name!r} needs casts {names}, got {sorted(casts)}.")
+    for given, wanted in ((casts, weight_casts(recipe)), (x_casts, activation_casts(recipe))):
+        names = [name for name, _ in wanted]
+        if given is not None and sorted(given) != sorted(names):
+            raise ValueError(f"linear_with_casts: recipe {recipe.name!r} needs casts {names}, got {sorted(given)}.")
     _check_gemm_shapes(recipe, x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0])
-    w, wt = casts["w"], casts.get("w_t")
-    return _LinearFn.apply(x, weight, bias, recipe, w.data, w.scale,
-                           None if wt is None else wt.data, None if wt is None else wt.scale)[0]
+
+    def leaves(group: dict[str, Fp8Tensor] | None, first: str, second: str) -> list:
+        if group is None:
+            return [None] * 4
+        a, b = group[first], group.get(second)
+        return [a.data, a.scale, None if b is None else b.data, None if b is None else b.scale]
+
+    return _LinearFn.apply(x, weight, bias, recipe, *leaves(casts, "w", "w_t"), *leaves(x_casts, "x", "x_t"))[0]

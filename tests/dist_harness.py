@@ -6,6 +6,7 @@ per-rank results. A failure in any rank raises in the test with that rank's trac
 """
 
 import os
+import sys
 import tempfile
 
 import torch
@@ -17,12 +18,26 @@ def _entry(rank, fn, world_size, workdir, args):
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size)
+    trace = os.environ.get("FP8FUNC_HARNESS_TRACE")
     try:
         out = fn(rank, world_size, *args)
+        if trace:
+            print(f"[harness] rank {rank}: fn returned", flush=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    if trace:
+        print(f"[harness] rank {rank}: process group destroyed", flush=True)
     torch.save(out, os.path.join(workdir, f"rank{rank}.pt"))
+    if trace:
+        print(f"[harness] rank {rank}: saved", flush=True)
+    # The rank's work is done, checked and saved. Leave without interpreter teardown: a background
+    # thread of torch's collectives can still be joinable then, and its destructor aborts the
+    # process ("terminate called without an active exception"), seen intermittently on gloo
+    # after sequence-parallel runs, after every result was saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_workers(fn, world_size, *args):

@@ -171,3 +171,52 @@ def test_fsdp_x_tp_2d(recipe):
     t, s = torch.tensor(on[0]), torch.tensor(single)
     assert torch.isfinite(t).all()
     assert ((t - s).abs() / s.abs()).max() < 1e-3, (on[0][:4], single[:4])
+
+
+def _sp_mlp(rank, world_size, recipe, fp8_styles):
+    """Sequence-parallel SwiGLU: input and output sharded along the sequence (Shard(1))."""
+    from torch.distributed.tensor import Shard
+
+    from fp8func.distributed import Fp8ColwiseParallel, Fp8RowwiseParallel
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = f8.convert(SwiGLU(), recipe, fsdp_fp8_all_gather=False)
+    col, row = (Fp8ColwiseParallel, Fp8RowwiseParallel) if fp8_styles else (ColwiseParallel, RowwiseParallel)
+    parallelize_module(model, mesh, {"gate": col(input_layouts=Shard(1)), "up": col(input_layouts=Shard(1)),
+                                     "down": row(output_layouts=Shard(1))})
+    g = torch.Generator().manual_seed(1)
+    x_full = torch.randn(2, 256, 128, generator=g) * 3
+    dy_full = torch.randn(2, 256, 128, generator=g)
+    x = x_full.chunk(world_size, dim=1)[rank].clone().requires_grad_()
+    y = model(x)
+    y.backward(dy_full.chunk(world_size, dim=1)[rank])
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    # clone(): the stock style returns an AsyncCollectiveTensor; a compute op waits for it.
+    return {"y": y.detach().clone(), "dx": x.grad.clone(), "grads": grads}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_sequence_parallel_gather_is_bitwise_the_bf16_gather_then_cast(recipe):
+    fp8 = run_workers(_sp_mlp, 2, recipe, True)
+    stock = run_workers(_sp_mlp, 2, recipe, False)
+    for a, b in zip(fp8, stock):
+        assert torch.equal(a["y"], b["y"])
+        assert torch.equal(a["dx"], b["dx"])
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), name
+
+
+def _refuse_plain(rank, world_size):
+    from fp8func.distributed import Fp8ColwiseParallel
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    try:
+        parallelize_module(SwiGLU(), mesh, {"gate": Fp8ColwiseParallel()})
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fp8_styles_refuse_plain_linear():
+    assert "applies to fp8func.nn.Fp8Linear, got Linear; run fp8func.convert" in run_workers(_refuse_plain, 2)[0]

@@ -60,7 +60,10 @@ class Fp8Linear(nn.Linear):
                     "recipe, or convert(..., fsdp_fp8_all_gather=False)."
                 )
             casts = local.casts if local is w else _as_dtensors(local.casts, w)
-            return linear_with_casts(x, w, self.bias, self.recipe, casts)
+            return linear_with_casts(x, w, self.bias, self.recipe, casts, _activation_casts(x))
+        x_casts = _activation_casts(x)
+        if x_casts is not None:
+            return linear_with_casts(x, w, self.bias, self.recipe, None, x_casts)
         return linear(x, w, self.bias, self.recipe)
 
     def extra_repr(self) -> str:
@@ -80,3 +83,11 @@ def _as_dtensors(casts: dict[str, Fp8Tensor], like: DTensor) -> dict[str, Fp8Ten
         scale = DTensor.from_local(q.scale, mesh, scale_placements, run_check=False)
         out[name] = Fp8Tensor(data, scale, q.meta)
     return out
+
+
+def _activation_casts(x) -> dict[str, Fp8Tensor] | None:
+    """The casts of an input that a sequence-parallel style gathered in FP8, else None."""
+    local = x._local_tensor if isinstance(x, DTensor) else x
+    if not isinstance(local, Fp8GatheredWeight):
+        return None
+    return local.casts if local is x else _as_dtensors(local.casts, x)

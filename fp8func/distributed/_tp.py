@@ -1,0 +1,121 @@
+"""Tensor-parallel styles whose sequence-parallel activations travel in FP8.
+
+Under the stock ``ColwiseParallel`` a sequence-sharded input (``Shard(1)``) is all-gathered in
+bf16 and the layer then casts the full tensor. ``Fp8ColwiseParallel`` casts each rank's shard
+with the amax reduced over the TP group (so every shard gets the full tensor's scale), gathers
+the fp8 bytes, and hands the layer the gathered casts: bitwise what the bf16 gather followed by
+the cast gives, at half the bytes. Its backward reduce-scatters the input gradient, as the
+bf16 gather's would. Stock styles on ``Fp8Linear`` are correct too (fp8func reads global
+amaxes through DTensor); these styles save the bandwidth.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from .._autograd import activation_casts
+from .._collectives import _gather_padded, gather_sizes
+from .._ops import quantize
+from .._qtensor import Fp8Tensor
+from .._scaling import Recipe, block_lengths
+from .._sharding import Sharding
+from ._fsdp import Fp8GatheredWeight
+
+__all__ = ["Fp8ColwiseParallel", "Fp8RowwiseParallel", "sequence_all_gather"]
+
+
+class _SequenceAllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_local: torch.Tensor, mesh: DeviceMesh, recipe: Recipe):
+        b, s_local, k = x_local.shape
+        sizes = gather_sizes(s_local, mesh, 0)
+        rows = x_local.reshape(-1, k)  # [B * S_local, K]: this rank's tokens
+        sharding = Sharding(mesh, (Shard(0),))  # the tokens are split over the TP group
+        casts = {}
+        for name, spec in activation_casts(recipe):
+            q = quantize(rows, spec, sharding=sharding)
+            data = _gather_padded(q.data.view(torch.uint8).reshape(b, s_local, k), 1, sizes, mesh, 0)
+            scale = q.scale
+            block = block_lengths(spec.granularity, tuple(rows.shape))[0]
+            if block is not None:  # one scale per token / per token block: gather with the tokens
+                if any(n % block for n in sizes):
+                    raise ValueError(
+                        f"fp8func: sequence shards of {sizes} tokens are not multiples of the {block}-token "
+                        f"blocks of the {spec.granularity!r} cast; use a sequence length divisible by "
+                        f"{block} x TP size."
+                    )
+                scale = _gather_padded(scale.reshape(b, s_local // block, -1), 1,
+                                       [n // block for n in sizes], mesh, 0).reshape(-1, scale.shape[1])
+            casts[name] = Fp8Tensor(data.reshape(-1, k).view(spec.dtype), scale, q.meta)
+        ctx.mesh = mesh
+        full = Fp8GatheredWeight(casts, (b, sum(sizes), k), x_local.dtype)
+        return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The layer's input gradient is a partial sum over the TP group (its N is sharded):
+        # reduce-scatter it back to this rank's tokens, as the bf16 all-gather's backward does.
+        if isinstance(grad, DTensor):
+            grad = grad.redistribute(ctx.mesh, [Shard(1)]).to_local()
+        else:
+            grad = DTensor.from_local(grad, ctx.mesh, [Replicate()], run_check=False).redistribute(
+                ctx.mesh, [Shard(1)]).to_local()
+        return grad, None, None
+
+
+def sequence_all_gather(x_local: torch.Tensor, mesh: DeviceMesh, recipe: Recipe) -> DTensor:
+    """All-gathers a sequence-sharded activation ``[B, S/tp, K]`` in FP8 for ``Fp8Linear``.
+
+    Returns a Replicate DTensor of shape ``[B, S, K]`` that exists only as its casts (see
+    ``activation_casts``); an ``Fp8Linear`` consumes it, anything else raises.
+    """
+    if x_local.ndim != 3:
+        raise ValueError(f"sequence_all_gather: expected [batch, seq, features], got shape {tuple(x_local.shape)}.")
+    return _SequenceAllGather.apply(x_local, mesh, recipe)
+
+
+def _is_seq_shard(layouts) -> bool:
+    layout = layouts[0] if isinstance(layouts, (tuple, list)) else layouts
+    return isinstance(layout, Shard) and layout.dim == 1
+
+
+class Fp8ColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for ``Fp8Linear``: a ``Shard(1)`` (sequence-parallel) input is cast per
+    shard with the TP-reduced amax and all-gathered in FP8 (see module docstring)."""
+
+    def _apply(self, module, device_mesh):
+        from ..nn._linear import Fp8Linear
+
+        if not isinstance(module, Fp8Linear):
+            raise TypeError(
+                f"{type(self).__name__} applies to fp8func.nn.Fp8Linear, got {type(module).__name__}; "
+                "run fp8func.convert(model, ...) first, or use ColwiseParallel for this layer."
+            )
+        return super()._apply(module, device_mesh)
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        fp8_gather = (_is_seq_shard(input_layouts) and not _is_seq_shard(desired_input_layouts)
+                      and activation_casts(mod.recipe) and x.ndim == 3)
+        if not fp8_gather:
+            return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+        local = x.to_local() if isinstance(x, DTensor) else x
+        return sequence_all_gather(local, device_mesh, mod.recipe)
+
+
+class Fp8RowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` for ``Fp8Linear`` (checks the layer; numerics as the stock style)."""
+
+    def _apply(self, module, device_mesh):
+        from ..nn._linear import Fp8Linear
+
+        if not isinstance(module, Fp8Linear):
+            raise TypeError(
+                f"{type(self).__name__} applies to fp8func.nn.Fp8Linear, got {type(module).__name__}; "
+                "run fp8func.convert(model, ...) first, or use RowwiseParallel for this layer."
+            )
+        return super()._apply(module, device_mesh)
