@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 
@@ -58,3 +59,16 @@ def local_device(device: str) -> torch.device:
         return torch.device("cpu")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def emit(args, env: dict, description: str, header: str, lines: list[str], payload: dict) -> None:
+    """Print the run's metadata and markdown table (rank 0), and write the JSON if asked."""
+    print(" | ".join(f"{k}: {v}" for k, v in env.items()))
+    print(description)
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for line in lines:
+        print(line)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"environment": env, "args": vars(args), **payload}, fh)

@@ -13,7 +13,6 @@ Runs on GPUs (NCCL) or CPUs (gloo, ``--device cpu`` with a smaller ``--hidden``)
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
@@ -23,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp8func as f8
-from _common import add_model_args, build_qwen3, environment, local_device, model_line
+from _common import add_model_args, build_qwen3, emit, environment, local_device, model_line
 
 
 def convert(model, lib, fp8_gather):
@@ -108,18 +107,15 @@ def main():
             curves[f"{lib}/{mode}"] = runs
 
     if rank == 0:
-        env = environment(dist.get_world_size(), args.device)
-        print(" | ".join(f"{k}: {v}" for k, v in env.items()))
-        print(model_line(args) + ", fp32 master + bf16 MP, tensorwise")
-        print("| library | mode | runs compared | first differing step | max abs loss diff | final losses | finite |")
-        print("|---|---|---|---|---|---|---|")
+        lines = []
         for r in rows:
             first = "none (bitwise equal)" if r["first_differing_step"] is None else str(r["first_differing_step"])
-            print(f"| {r['lib']} | {r['mode']} | {r['pair']} | {first} | {r['max_abs_diff']:.3e} | "
-                  f"{r['final_a']:.6f} / {r['final_b']:.6f} | {r['finite']} |")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"environment": env, "args": vars(args), "rows": rows, "curves": curves}, fh)
+            lines.append(f"| {r['lib']} | {r['mode']} | {r['pair']} | {first} | {r['max_abs_diff']:.3e} | "
+                         f"{r['final_a']:.6f} / {r['final_b']:.6f} | {r['finite']} |")
+        emit(args, environment(dist.get_world_size(), args.device),
+             model_line(args) + ", fp32 master + bf16 MP, tensorwise",
+             "| library | mode | runs compared | first differing step | max abs loss diff | final losses | finite |",
+             lines, {"rows": rows, "curves": curves})
     dist.destroy_process_group()
 
 

@@ -11,7 +11,6 @@ the largest relative difference over the run, and whether every loss was finite.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
@@ -20,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fp8func as f8
-from _common import add_model_args, build_qwen3, environment, local_device, model_line
+from _common import add_model_args, build_qwen3, emit, environment, local_device, model_line
 
 PLAN = {
     "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -81,17 +80,12 @@ def main():
         if rank == 0:
             print(rows[-1], flush=True)
     if rank == 0:
-        env = environment(world, args.device)
-        print(" | ".join(f"{k}: {v}" for k, v in env.items()))
-        print(model_line(args) + f", bf16 weights, AdamW lr {args.lr}, TP={world} vs TP=1")
-        print("| recipe | loss step 0 TP=1 / TP=2 | loss last step TP=1 / TP=2 | max rel diff | all finite |")
-        print("|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['recipe']} | {r['tp1_first']:.5f} / {r['tp2_first']:.5f} | {r['tp1_last']:.5f} / "
-                  f"{r['tp2_last']:.5f} | {r['max_rel_diff']:.2e} | {r['finite']} |")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"environment": env, "args": vars(args), "rows": rows, "curves": curves}, fh)
+        lines = [f"| {r['recipe']} | {r['tp1_first']:.5f} / {r['tp2_first']:.5f} | {r['tp1_last']:.5f} / "
+                 f"{r['tp2_last']:.5f} | {r['max_rel_diff']:.2e} | {r['finite']} |" for r in rows]
+        emit(args, environment(world, args.device),
+             model_line(args) + f", bf16 weights, AdamW lr {args.lr}, TP={world} vs TP=1",
+             "| recipe | loss step 0 TP=1 / TP=2 | loss last step TP=1 / TP=2 | max rel diff | all finite |",
+             lines, {"rows": rows, "curves": curves})
     dist.destroy_process_group()
 
 

@@ -64,6 +64,16 @@ def _cast_b(t: torch.Tensor, spec: CastSpec) -> Fp8Tensor:
     return quantize(t.t(), spec).t()
 
 
+def _for_backward(reuse: bool, own: tuple, given_t: tuple, hp: torch.Tensor) -> tuple:
+    """What the backward needs of one operand: the forward's cast when it can be reused, else
+    the transposed cast made elsewhere, else the high-precision tensor (saved twice: two slots)."""
+    if reuse:
+        return own
+    if given_t[0] is not None:
+        return given_t
+    return hp, hp
+
+
 class _LinearFn(torch.autograd.Function):
     # Outputs: y, then the payloads that the backward reuses (non-differentiable).
 
@@ -104,19 +114,8 @@ class _LinearFn(torch.autograd.Function):
         ctx.given_xt = xt_data is not None
         if x_data is not None and not (ctx.reuse_x or ctx.given_xt):
             raise ValueError(f"linear: recipe {recipe.name!r} needs the input itself or its 'x_t' cast in the backward.")
-        if ctx.reuse_x:
-            keep_x = qx_data, qx_scale
-        elif ctx.given_xt:
-            keep_x = xt_data, xt_scale
-        else:
-            keep_x = x, x
-        if ctx.reuse_w:
-            keep_w = qw_data, qw_scale
-        elif ctx.given_wt:
-            keep_w = wt_data, wt_scale
-        else:
-            keep_w = weight, weight
-        ctx.save_for_backward(*keep_x, *keep_w)
+        ctx.save_for_backward(*_for_backward(ctx.reuse_x, (qx_data, qx_scale), (xt_data, xt_scale), x),
+                              *_for_backward(ctx.reuse_w, (qw_data, qw_scale), (wt_data, wt_scale), weight))
 
     @staticmethod
     def backward(ctx, dy, *_unused):

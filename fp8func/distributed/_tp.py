@@ -77,6 +77,16 @@ def sequence_all_gather(x_local: torch.Tensor, mesh: DeviceMesh, recipe: Recipe)
     return _SequenceAllGather.apply(x_local, mesh, recipe)
 
 
+def _require_fp8_linear(style, module, stock: str) -> None:
+    from ..nn._linear import Fp8Linear  # the shell sits above this layer
+
+    if not isinstance(module, Fp8Linear):
+        raise TypeError(
+            f"{type(style).__name__} applies to fp8func.nn.Fp8Linear, got {type(module).__name__}; "
+            f"run fp8func.convert(model, ...) first, or use {stock} for this layer."
+        )
+
+
 def _is_seq_shard(layouts) -> bool:
     layout = layouts[0] if isinstance(layouts, (tuple, list)) else layouts
     return isinstance(layout, Shard) and layout.dim == 1
@@ -87,13 +97,7 @@ class Fp8ColwiseParallel(ColwiseParallel):
     shard with the TP-reduced amax and all-gathered in FP8 (see module docstring)."""
 
     def _apply(self, module, device_mesh):
-        from ..nn._linear import Fp8Linear
-
-        if not isinstance(module, Fp8Linear):
-            raise TypeError(
-                f"{type(self).__name__} applies to fp8func.nn.Fp8Linear, got {type(module).__name__}; "
-                "run fp8func.convert(model, ...) first, or use ColwiseParallel for this layer."
-            )
+        _require_fp8_linear(self, module, "ColwiseParallel")
         return super()._apply(module, device_mesh)
 
     @staticmethod
@@ -111,11 +115,5 @@ class Fp8RowwiseParallel(RowwiseParallel):
     """``RowwiseParallel`` for ``Fp8Linear`` (checks the layer; numerics as the stock style)."""
 
     def _apply(self, module, device_mesh):
-        from ..nn._linear import Fp8Linear
-
-        if not isinstance(module, Fp8Linear):
-            raise TypeError(
-                f"{type(self).__name__} applies to fp8func.nn.Fp8Linear, got {type(module).__name__}; "
-                "run fp8func.convert(model, ...) first, or use RowwiseParallel for this layer."
-            )
+        _require_fp8_linear(self, module, "RowwiseParallel")
         return super()._apply(module, device_mesh)
