@@ -253,7 +253,9 @@ def _warn_once(msg: str) -> None:
 
 
 class Fp8GatheredWeight(torch.Tensor):
-    """The unsharded weight FSDP2 builds from fp8 payloads; only ``Fp8Linear`` consumes it."""
+    """A gathered tensor that exists only as its FP8 casts: the unsharded weight FSDP2 builds from
+    fp8 payloads, or a sequence-parallel input ``Fp8ColwiseParallel`` gathered. Only
+    ``Fp8Linear`` consumes it."""
 
     @staticmethod
     def __new__(cls, casts: dict[str, Fp8Tensor], shape, dtype, valid=None):
@@ -295,9 +297,11 @@ class Fp8GatheredWeight(torch.Tensor):
             if tuple(size) == tuple(self.shape) and same_layout:
                 return cls(self._casts, self.shape, self.dtype, self._valid)
         raise RuntimeError(
-            f"fp8func: {func} was called on a weight that FSDP2 all-gathered in FP8; only Fp8Linear "
-            "can consume it. If another module uses this weight (tied embeddings, custom code), convert "
-            "this layer with fsdp_fp8_all_gather=False or exclude it with convert(filter=...)."
+            f"fp8func: {func} was called on a tensor that exists only as its FP8 casts (a weight FSDP2 "
+            "all-gathered in FP8, or an input Fp8ColwiseParallel gathered); only Fp8Linear can consume "
+            "it. If another module uses this weight (tied embeddings, custom code), convert the layer "
+            "with fsdp_fp8_all_gather=False or exclude it with convert(filter=...); for an input, use "
+            "the stock ColwiseParallel on layers whose input other code also reads."
         )
 
     def __tensor_flatten__(self):
