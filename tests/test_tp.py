@@ -220,3 +220,46 @@ def _refuse_plain(rank, world_size):
 
 def test_fp8_styles_refuse_plain_linear():
     assert "applies to fp8func.nn.Fp8Linear, got Linear; run fp8func.convert" in run_workers(_refuse_plain, 2)[0]
+
+
+class QKV(nn.Module):
+    """Three projections reading one input (an attention block's q, k, v) and an output one."""
+
+    def __init__(self, dim=128):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.o(self.q(x) * torch.sigmoid(self.k(x)) + self.v(x))
+
+
+def _sp_qkv(rank, world_size, recipe, fp8_styles):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    from fp8func.distributed import Fp8ColwiseParallel, Fp8RowwiseParallel, PrepareFp8ModuleInput
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = f8.convert(QKV(), recipe, fsdp_fp8_all_gather=False)
+    prep, col, row = ((PrepareFp8ModuleInput, Fp8ColwiseParallel, Fp8RowwiseParallel) if fp8_styles
+                      else (PrepareModuleInput, ColwiseParallel, RowwiseParallel))
+    parallelize_module(model, mesh, {"": prep(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+                                     "q": col(), "k": col(), "v": col(), "o": row(output_layouts=Shard(1))})
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(2, 256, 128, generator=g) * 2).chunk(world_size, dim=1)[rank].clone().requires_grad_()
+    y = model(x)
+    y.backward(torch.randn(2, 256, 128, generator=g).chunk(world_size, dim=1)[rank])
+    return {"y": y.detach().clone(), "dx": x.grad.clone(),
+            "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_prepare_fp8_module_input_gathers_once_for_q_k_v(recipe):
+    fp8 = run_workers(_sp_qkv, 2, recipe, True)
+    stock = run_workers(_sp_qkv, 2, recipe, False)
+    for a, b in zip(fp8, stock):
+        assert torch.equal(a["y"], b["y"]) and torch.equal(a["dx"], b["dx"])
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), name

@@ -6,7 +6,8 @@ from ._fsdp import chunk_sizes as chunk_sizes
 from ._fsdp import precompute_scales as precompute_scales
 from ._tp import Fp8ColwiseParallel as Fp8ColwiseParallel
 from ._tp import Fp8RowwiseParallel as Fp8RowwiseParallel
+from ._tp import PrepareFp8ModuleInput as PrepareFp8ModuleInput
 from ._tp import sequence_all_gather as sequence_all_gather
 
 __all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "chunk_sizes", "precompute_scales", "Fp8ColwiseParallel", "Fp8RowwiseParallel",
-           "sequence_all_gather"]
+           "PrepareFp8ModuleInput", "sequence_all_gather"]

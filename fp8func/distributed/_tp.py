@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from .._autograd import activation_casts
 from .._collectives import _gather_padded, gather_sizes
@@ -24,7 +24,7 @@ from .._scaling import Recipe, block_lengths
 from .._sharding import Sharding
 from ._fsdp import Fp8GatheredWeight
 
-__all__ = ["Fp8ColwiseParallel", "Fp8RowwiseParallel", "sequence_all_gather"]
+__all__ = ["Fp8ColwiseParallel", "Fp8RowwiseParallel", "PrepareFp8ModuleInput", "sequence_all_gather"]
 
 
 class _SequenceAllGather(torch.autograd.Function):
@@ -117,3 +117,41 @@ class Fp8RowwiseParallel(RowwiseParallel):
     def _apply(self, module, device_mesh):
         _require_fp8_linear(self, module, "RowwiseParallel")
         return super()._apply(module, device_mesh)
+
+
+
+class PrepareFp8ModuleInput(PrepareModuleInput):
+    """``PrepareModuleInput`` that all-gathers a sequence-sharded input once, in FP8, for every
+    ``Fp8Linear`` inside the module that reads it (q, k and v of an attention block).
+
+    The module's ``Fp8Linear`` layers must share one input cast (one recipe); shard them with
+    ``Fp8ColwiseParallel()`` (input already Replicate). A module input with another layout, or no
+    ``Fp8Linear`` consumer, is prepared as ``PrepareModuleInput`` would.
+
+    Example:
+        >>> parallelize_module(block, tp_mesh, {
+        ...     "self_attn": PrepareFp8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+        ...     "self_attn.q_proj": Fp8ColwiseParallel(), "self_attn.k_proj": Fp8ColwiseParallel(),
+        ...     "self_attn.v_proj": Fp8ColwiseParallel(), "self_attn.o_proj": Fp8RowwiseParallel(output_layouts=Shard(1))})
+    """
+
+    def _apply(self, module, device_mesh):
+        from ..nn._linear import Fp8Linear
+
+        recipes = {m.recipe for m in module.modules() if isinstance(m, Fp8Linear)}
+        if len(recipes) > 1:
+            raise ValueError(
+                f"PrepareFp8ModuleInput: the Fp8Linear layers of {type(module).__name__} use "
+                f"{len(recipes)} recipes ({sorted(r.name for r in recipes)}); one gathered input cast "
+                "serves one recipe. Convert them with one recipe, or use PrepareModuleInput."
+            )
+        self._recipe = next(iter(recipes), None)
+        return super()._apply(module, device_mesh)
+
+    def _prepare_input_arg(self, input, mesh, input_layout, desired_layout):
+        recipe = getattr(self, "_recipe", None)
+        if (recipe is None or not activation_casts(recipe) or not isinstance(input, torch.Tensor)
+                or input.ndim != 3 or not _is_seq_shard(input_layout) or _is_seq_shard(desired_layout)):
+            return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
+        local = input.to_local() if isinstance(input, DTensor) else input
+        return sequence_all_gather(local, mesh, recipe)
