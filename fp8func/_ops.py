@@ -96,7 +96,7 @@ def quantize(
     """Quantizes ``x`` to FP8 with scales computed from its own amax (dynamic scaling).
 
     ``scale = max(amax, EPS) * (1 / fp8_max)`` per group (rounded up to a power of two when
-    ``spec.pow2_scales``), ``data = saturate(x / scale)``. Values beyond the range saturate at
+    ``spec.pow2_scales``), ``data = saturate(x * (1 / scale))``. Values beyond the range saturate at
     ±fp8_max, never inf. A NaN or inf in a group makes that group's scale non-finite, so the
     whole group dequantizes to NaN: bad values are never hidden. ``check_finite=True`` raises
     instead (eager only).
