@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ._gathered import gathered_casts
 from ._gemm import gemm
 from ._ops import quantize
 from ._qtensor import Fp8Meta, Fp8Tensor
@@ -52,6 +53,21 @@ def activation_casts(recipe: Recipe) -> list[tuple[str, CastSpec]]:
     if not _transpose_invariant(recipe.input):
         spec = recipe.input
         casts.append(("x_t", spec.with_granularity(transpose_granularity(spec.granularity, 2, 0, 1))))
+    return casts
+
+
+def grad_output_casts(recipe: Recipe) -> list[tuple[str, CastSpec]]:
+    """The casts of a grad_output ``dy [M, N]`` the backward consumes, as specs on ``[M, N]``.
+
+    ``"dy"``: the grad_input GEMM's (along N); ``"dy_t"``: the grad_weight GEMM's (along M), when
+    the first cannot be reused. Empty when grad_weight is computed in high precision.
+    """
+    if recipe.grad_weight_hp:
+        return []
+    casts = [("dy", recipe.grad_output)]
+    if not _transpose_invariant(recipe.grad_output):
+        spec = recipe.grad_output
+        casts.append(("dy_t", spec.with_granularity(transpose_granularity(spec.granularity, 2, 0, 1))))
     return casts
 
 
@@ -122,10 +138,15 @@ class _LinearFn(torch.autograd.Function):
         recipe: Recipe = ctx.recipe
         x_a, x_b, w_a, w_b = ctx.saved_tensors
         n = dy.shape[-1]
-        dy2 = dy.reshape(-1, n)
+        dy_casts = gathered_casts(dy)  # a grad_output gathered in FP8 (sequence-parallel output)
+        if dy_casts is None:
+            dy2 = dy.reshape(-1, n)
+        elif ctx.has_bias and ctx.needs_input_grad[2]:
+            raise ValueError("fp8func: a grad_output gathered in FP8 cannot give a bias gradient; "
+                             "use the stock RowwiseParallel for layers with a bias.")
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            qdy = quantize(dy2, recipe.grad_output)  # [M, N] along N
+            qdy = dy_casts["dy"] if dy_casts else quantize(dy2, recipe.grad_output)  # [M, N] along N
             if ctx.reuse_w:
                 b = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype))  # [N, K]
             elif ctx.given_wt:
@@ -138,7 +159,10 @@ class _LinearFn(torch.autograd.Function):
                 x2 = x_a.reshape(-1, x_a.shape[-1])
                 dw = dy2.t().to(x2.dtype) @ x2
             else:
-                qdy_t = quantize(dy2.t(), recipe.grad_output)  # [N, M] along M
+                if dy_casts is None:
+                    qdy_t = quantize(dy2.t(), recipe.grad_output)  # [N, M] along M
+                else:
+                    qdy_t = dy_casts.get("dy_t", dy_casts["dy"]).t()
                 if ctx.reuse_x:
                     b = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype))
                 elif ctx.given_xt:

@@ -185,13 +185,26 @@ def _sp_mlp(rank, world_size, recipe, fp8_styles):
     col, row = (Fp8ColwiseParallel, Fp8RowwiseParallel) if fp8_styles else (ColwiseParallel, RowwiseParallel)
     parallelize_module(model, mesh, {"gate": col(input_layouts=Shard(1)), "up": col(input_layouts=Shard(1)),
                                      "down": row(output_layouts=Shard(1))})
+    import fp8func.distributed._tp as tp_mod
+
+    gathers = []
+    orig = tp_mod._gather_casts
+
+    def counting(x_local, mesh, specs):
+        gathers.append([name for name, _ in specs])
+        return orig(x_local, mesh, specs)
+
+    tp_mod._gather_casts = counting
     g = torch.Generator().manual_seed(1)
     x_full = torch.randn(2, 256, 128, generator=g) * 3
     dy_full = torch.randn(2, 256, 128, generator=g)
     x = x_full.chunk(world_size, dim=1)[rank].clone().requires_grad_()
     y = model(x)
     y.backward(dy_full.chunk(world_size, dim=1)[rank])
+    tp_mod._gather_casts = orig
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    if fp8_styles:  # gate's and up's inputs, then down's grad_output: all three gathered in fp8
+        assert [names[0] for names in gathers] == ["x", "x", "dy"], gathers
     # clone(): the stock style returns an AsyncCollectiveTensor; a compute op waits for it.
     return {"y": y.detach().clone(), "dx": x.grad.clone(), "grads": grads}
 

@@ -16,54 +16,82 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from .._autograd import activation_casts
+from .._autograd import activation_casts, grad_output_casts
 from .._collectives import _gather_padded, gather_sizes
 from .._ops import quantize
 from .._qtensor import Fp8Tensor
 from .._scaling import Recipe, block_lengths
 from .._sharding import Sharding
-from ._fsdp import Fp8GatheredWeight
+from .._gathered import Fp8GatheredWeight
 
 __all__ = ["Fp8ColwiseParallel", "Fp8RowwiseParallel", "PrepareFp8ModuleInput", "sequence_all_gather"]
 
 
+def _gather_casts(x_local: torch.Tensor, mesh: DeviceMesh, specs) -> DTensor:
+    """Casts each of ``specs`` of a sequence shard ``[B, S/tp, F]`` with the TP-reduced amax and
+    all-gathers the fp8 bytes (and the per-token / per-block scales) along the sequence.
+
+    Returns a Replicate DTensor ``[B, S, F]`` that exists only as its (2-D, ``[B*S, F]``) casts.
+    """
+    b, s_local, f = x_local.shape
+    sizes = gather_sizes(s_local, mesh, 0)
+    rows = x_local.reshape(-1, f)  # [B * S_local, F]: this rank's tokens
+    sharding = Sharding(mesh, (Shard(0),))  # the tokens are split over the TP group
+    casts = {}
+    for name, spec in specs:
+        q = quantize(rows, spec, sharding=sharding)
+        data = _gather_padded(q.data.view(torch.uint8).reshape(b, s_local, f), 1, sizes, mesh, 0)
+        scale = q.scale
+        block = block_lengths(spec.granularity, tuple(rows.shape))[0]
+        if block is not None:  # one scale per token / per token block: gather with the tokens
+            if any(n % block for n in sizes):
+                raise ValueError(
+                    f"fp8func: sequence shards of {sizes} tokens are not multiples of the {block}-token "
+                    f"blocks of the {spec.granularity!r} cast; use a sequence length divisible by "
+                    f"{block} x TP size."
+                )
+            scale = _gather_padded(scale.reshape(b, s_local // block, -1), 1,
+                                   [n // block for n in sizes], mesh, 0).reshape(-1, scale.shape[1])
+        casts[name] = Fp8Tensor(data.reshape(-1, f).view(spec.dtype), scale, q.meta)
+    full = Fp8GatheredWeight(casts, (b, sum(sizes), f), x_local.dtype)
+    return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+
+
+def _reduce_scatter_seq(grad, mesh: DeviceMesh) -> torch.Tensor:
+    """A partial-sum (or replicated) full-sequence gradient, reduce-scattered to this rank's tokens."""
+    if not isinstance(grad, DTensor):
+        grad = DTensor.from_local(grad, mesh, [Replicate()], run_check=False)
+    return grad.redistribute(mesh, [Shard(1)]).to_local()
+
+
 class _SequenceAllGather(torch.autograd.Function):
+    """Forward: the fp8 gather of the input's casts. Backward: reduce-scatter of its gradient
+    (the layer's N is sharded, so each rank holds a partial sum), as the bf16 gather's is."""
+
     @staticmethod
     def forward(ctx, x_local: torch.Tensor, mesh: DeviceMesh, recipe: Recipe):
-        b, s_local, k = x_local.shape
-        sizes = gather_sizes(s_local, mesh, 0)
-        rows = x_local.reshape(-1, k)  # [B * S_local, K]: this rank's tokens
-        sharding = Sharding(mesh, (Shard(0),))  # the tokens are split over the TP group
-        casts = {}
-        for name, spec in activation_casts(recipe):
-            q = quantize(rows, spec, sharding=sharding)
-            data = _gather_padded(q.data.view(torch.uint8).reshape(b, s_local, k), 1, sizes, mesh, 0)
-            scale = q.scale
-            block = block_lengths(spec.granularity, tuple(rows.shape))[0]
-            if block is not None:  # one scale per token / per token block: gather with the tokens
-                if any(n % block for n in sizes):
-                    raise ValueError(
-                        f"fp8func: sequence shards of {sizes} tokens are not multiples of the {block}-token "
-                        f"blocks of the {spec.granularity!r} cast; use a sequence length divisible by "
-                        f"{block} x TP size."
-                    )
-                scale = _gather_padded(scale.reshape(b, s_local // block, -1), 1,
-                                       [n // block for n in sizes], mesh, 0).reshape(-1, scale.shape[1])
-            casts[name] = Fp8Tensor(data.reshape(-1, k).view(spec.dtype), scale, q.meta)
         ctx.mesh = mesh
-        full = Fp8GatheredWeight(casts, (b, sum(sizes), k), x_local.dtype)
-        return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+        return _gather_casts(x_local, mesh, activation_casts(recipe))
 
     @staticmethod
     def backward(ctx, grad):
-        # The layer's input gradient is a partial sum over the TP group (its N is sharded):
-        # reduce-scatter it back to this rank's tokens, as the bf16 all-gather's backward does.
-        if isinstance(grad, DTensor):
-            grad = grad.redistribute(ctx.mesh, [Shard(1)]).to_local()
-        else:
-            grad = DTensor.from_local(grad, ctx.mesh, [Replicate()], run_check=False).redistribute(
-                ctx.mesh, [Shard(1)]).to_local()
-        return grad, None, None
+        return _reduce_scatter_seq(grad, ctx.mesh), None, None
+
+
+class _SequenceReduceScatter(torch.autograd.Function):
+    """Forward: reduce-scatter a row-parallel output (partial sums) to sequence shards. Backward:
+    the fp8 gather of the grad_output's casts, which the layer's backward consumes as they are."""
+
+    @staticmethod
+    def forward(ctx, y: DTensor, recipe: Recipe, use_local_output: bool):
+        ctx.mesh, ctx.recipe, ctx.local = y.device_mesh, recipe, use_local_output
+        out = y.redistribute(y.device_mesh, [Shard(1)])
+        return out.to_local() if use_local_output else out
+
+    @staticmethod
+    def backward(ctx, dy):
+        local = dy.to_local() if isinstance(dy, DTensor) else dy
+        return _gather_casts(local, ctx.mesh, grad_output_casts(ctx.recipe)), None, None
 
 
 def sequence_all_gather(x_local: torch.Tensor, mesh: DeviceMesh, recipe: Recipe) -> DTensor:
@@ -112,12 +140,23 @@ class Fp8ColwiseParallel(ColwiseParallel):
 
 
 class Fp8RowwiseParallel(RowwiseParallel):
-    """``RowwiseParallel`` for ``Fp8Linear`` (checks the layer; numerics as the stock style)."""
+    """``RowwiseParallel`` for ``Fp8Linear``: with a ``Shard(1)`` (sequence-parallel) output, the
+    backward casts each rank's grad_output shard with the TP-reduced amax and all-gathers it in
+    FP8, bitwise what the bf16 gather followed by the cast gives. Layers with a bias keep the
+    stock path (a bias gradient needs the high-precision grad_output)."""
 
     def _apply(self, module, device_mesh):
         _require_fp8_linear(self, module, "RowwiseParallel")
         return super()._apply(module, device_mesh)
 
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        seq = _is_seq_shard(output_layouts)
+        fp8 = (seq and isinstance(outputs, DTensor) and outputs.ndim == 3 and mod.bias is None
+               and grad_output_casts(mod.recipe) and all(p.is_partial() for p in outputs.placements))
+        if not fp8:
+            return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return _SequenceReduceScatter.apply(outputs, mod.recipe, use_local_output)
 
 
 class PrepareFp8ModuleInput(PrepareModuleInput):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from .._autograd import linear, linear_with_casts
-from .._qtensor import Fp8Tensor
+from .._gathered import gathered_casts
 from .._scaling import Recipe
-from ..distributed._fsdp import Fp8AllGatherWeight, Fp8GatheredWeight
+from ..distributed._fsdp import Fp8AllGatherWeight
 
 __all__ = ["Fp8Linear"]
 
@@ -50,44 +50,20 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         local = w._local_tensor if isinstance(w, DTensor) else w
-        if isinstance(local, Fp8GatheredWeight):
-            if "w" not in local.valid:
-                raise RuntimeError(
-                    "fp8func: this layer's forward ran while FSDP2 held only its backward (grad_input) "
-                    "weight cast: activation checkpointing recomputes the forward inside the backward, "
-                    "after FSDP2 re-gathered the weight for the backward alone. Use fully_shard(..., "
-                    "reshard_after_forward=False) for checkpointed blocks, a tensorwise or blockwise "
-                    "recipe, or convert(..., fsdp_fp8_all_gather=False)."
-                )
-            casts = local.casts if local is w else _as_dtensors(local.casts, w)
-            return linear_with_casts(x, w, self.bias, self.recipe, casts, _activation_casts(x))
-        x_casts = _activation_casts(x)
-        if x_casts is not None:
-            return linear_with_casts(x, w, self.bias, self.recipe, None, x_casts)
-        return linear(x, w, self.bias, self.recipe)
+        w_casts = gathered_casts(w)
+        if w_casts is not None and "w" not in local.valid:
+            raise RuntimeError(
+                "fp8func: this layer's forward ran while FSDP2 held only its backward (grad_input) "
+                "weight cast: activation checkpointing recomputes the forward inside the backward, "
+                "after FSDP2 re-gathered the weight for the backward alone. Use fully_shard(..., "
+                "reshard_after_forward=False) for checkpointed blocks, a tensorwise or blockwise "
+                "recipe, or convert(..., fsdp_fp8_all_gather=False)."
+            )
+        x_casts = gathered_casts(x)
+        if w_casts is None and x_casts is None:
+            return linear(x, w, self.bias, self.recipe)
+        return linear_with_casts(x, w, self.bias, self.recipe, w_casts, x_casts)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, fsdp_fp8_all_gather={self.fsdp_fp8_all_gather}"
 
-
-def _as_dtensors(casts: dict[str, Fp8Tensor], like: DTensor) -> dict[str, Fp8Tensor]:
-    """Casts of a TP-sharded weight as DTensors on its mesh: data placed like the weight, each
-    scale sharded where it has one entry per row/block and replicated where it spans the dim."""
-    mesh, placements = like.device_mesh, tuple(like.placements)
-    out = {}
-    for name, q in casts.items():
-        scale_placements = tuple(
-            Replicate() if isinstance(p, Shard) and q.scale.shape[p.dim] == 1 else p for p in placements
-        )
-        data = DTensor.from_local(q.data, mesh, placements, run_check=False)
-        scale = DTensor.from_local(q.scale, mesh, scale_placements, run_check=False)
-        out[name] = Fp8Tensor(data, scale, q.meta)
-    return out
-
-
-def _activation_casts(x) -> dict[str, Fp8Tensor] | None:
-    """The casts of an input that a sequence-parallel style gathered in FP8, else None."""
-    local = x._local_tensor if isinstance(x, DTensor) else x
-    if not isinstance(local, Fp8GatheredWeight):
-        return None
-    return local.casts if local is x else _as_dtensors(local.casts, x)
