@@ -33,11 +33,9 @@ def weight_casts(recipe: Recipe) -> list[tuple[str, CastSpec]]:
     ``"w"``: the forward's (contraction K last). ``"w_t"``: the grad_input GEMM's, cast along N,
     present only when the forward's cast cannot be reused for it bitwise.
     """
-    casts = [("w", recipe.weight)]
-    if recipe.grad_input_weight is not None or not _transpose_invariant(recipe.weight):
-        spec = recipe.weight_for_grad_input
-        casts.append(("w_t", spec.with_granularity(transpose_granularity(spec.granularity, 2, 0, 1))))
-    return casts
+    if recipe.grad_input_weight is None:
+        return _casts_of("w", recipe.weight)
+    return [("w", recipe.weight), ("w_t", _transposed(recipe.grad_input_weight))]
 
 
 def activation_casts(recipe: Recipe) -> list[tuple[str, CastSpec]]:
@@ -47,13 +45,7 @@ def activation_casts(recipe: Recipe) -> list[tuple[str, CastSpec]]:
     M, present only when the forward's cannot be reused for it bitwise. Empty when the recipe
     computes grad_weight in high precision (it then needs ``x`` itself).
     """
-    if recipe.grad_weight_hp:
-        return []
-    casts = [("x", recipe.input)]
-    if not _transpose_invariant(recipe.input):
-        spec = recipe.input
-        casts.append(("x_t", spec.with_granularity(transpose_granularity(spec.granularity, 2, 0, 1))))
-    return casts
+    return [] if recipe.grad_weight_hp else _casts_of("x", recipe.input)
 
 
 def grad_output_casts(recipe: Recipe) -> list[tuple[str, CastSpec]]:
@@ -62,13 +54,17 @@ def grad_output_casts(recipe: Recipe) -> list[tuple[str, CastSpec]]:
     ``"dy"``: the grad_input GEMM's (along N); ``"dy_t"``: the grad_weight GEMM's (along M), when
     the first cannot be reused. Empty when grad_weight is computed in high precision.
     """
-    if recipe.grad_weight_hp:
-        return []
-    casts = [("dy", recipe.grad_output)]
-    if not _transpose_invariant(recipe.grad_output):
-        spec = recipe.grad_output
-        casts.append(("dy_t", spec.with_granularity(transpose_granularity(spec.granularity, 2, 0, 1))))
-    return casts
+    return [] if recipe.grad_weight_hp else _casts_of("dy", recipe.grad_output)
+
+
+def _transposed(spec: CastSpec) -> CastSpec:
+    """``spec`` for the transposed 2-D operand (the same groups, seen from the other side)."""
+    return spec.with_granularity(transpose_granularity(spec.granularity, 2, 0, 1))
+
+
+def _casts_of(name: str, spec: CastSpec) -> list[tuple[str, CastSpec]]:
+    """An operand's forward cast, and its transposed-GEMM cast unless the first serves both."""
+    return [(name, spec)] if _transpose_invariant(spec) else [(name, spec), (name + "_t", _transposed(spec))]
 
 
 def _cast_b(t: torch.Tensor, spec: CastSpec) -> Fp8Tensor:
