@@ -19,16 +19,19 @@ __all__ = ["all_gather", "gather_sizes"]
 def gather_sizes(local: int, mesh: DeviceMesh, mesh_dim: int) -> list[int]:
     """Every rank's local size along a dim (one tiny all-gather; eager only)."""
     t = torch.tensor([local], dtype=torch.int64, device=mesh.device_type)
-    return [int(s) for s in funcol.wait_tensor(funcol.all_gather_single(t, 0, (mesh, mesh_dim))).tolist()]
+    return [int(s) for s in funcol.wait_tensor(funcol.all_gather_tensor(t, 0, (mesh, mesh_dim))).tolist()]
 
 
 def _gather_padded(t: torch.Tensor, dim: int, sizes: list[int], mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
-    """All-gather ``t`` along ``dim`` where rank r holds ``sizes[r]`` rows: pad, gather, trim."""
+    """All-gather ``t`` along ``dim`` where rank r holds ``sizes[r]`` rows: pad, gather, trim.
+
+    ``funcol.all_gather_tensor``: torch 2.11 has no ``all_gather_single``.
+    """
     t = t.movedim(dim, 0)
     pad = max(sizes) - t.shape[0]
     if pad:
         t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
-    out = funcol.wait_tensor(funcol.all_gather_single(t.contiguous(), 0, (mesh, mesh_dim)))
+    out = funcol.wait_tensor(funcol.all_gather_tensor(t.contiguous(), 0, (mesh, mesh_dim)))
     if any(s != sizes[0] for s in sizes):
         out = torch.cat([c[:s] for c, s in zip(out.split(max(sizes)), sizes)])
     return out.movedim(0, dim)

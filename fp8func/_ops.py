@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ._formats import saturate_cast
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._sharding import Sharding, reduce_amax
+from ._sharding import Sharding, check_blocks_within_shards, reduce_amax
 from ._scaling import (
     CastSpec,
     block_lengths,
@@ -118,6 +119,8 @@ def quantize(
         raise TypeError(f"quantize: spec={spec!r} is not a CastSpec; e.g. fp8func.CastSpec(dtype=fp8func.E4M3).")
     if check_finite:
         _check_finite(x)
+    if isinstance(x, DTensor):  # DTensor ops reduce the amax globally; a block must not straddle shards
+        check_blocks_within_shards(x, spec.granularity)
     amax = compute_amax(x, spec.granularity)
     shardings = () if sharding is None else (sharding,) if isinstance(sharding, Sharding) else tuple(sharding)
     for sh in shardings:  # nested shardings (FSDP over TP): reduce over each one's split dims

@@ -91,10 +91,18 @@ class Sharding:
                 raise ValueError(
                     f"{granularity!r} on a tensor sharded along dim {tdim} over mesh dim {mesh_dim}: "
                     f"the local size {local_shape[tdim]} is not a multiple of block {b}, so a block "
-                    "straddles two ranks. Shard in multiples of the block (FSDP2: shard_placement_fn)."
+                    "straddles two ranks. Shard in multiples of the block (tensor parallel: a degree that "
+                    "leaves each shard a multiple of it; FSDP2: shard_placement_fn), or use a recipe "
+                    "without blocks along this dim (e.g. 'rowwise')."
                 )
         block_lengths(granularity, local_shape)  # the unsharded dims must tile too
         return tuple(dims)
+
+
+def check_blocks_within_shards(x: DTensor, granularity: Granularity) -> None:
+    """Raises if a scale block of ``granularity`` would straddle two shards of DTensor ``x``."""
+    placements = tuple(p if isinstance(p, Shard) else Replicate() for p in x.placements)
+    Sharding(x.device_mesh, placements).amax_mesh_dims(granularity, tuple(x.to_local().shape))
 
 
 def reduce_amax(amax: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:

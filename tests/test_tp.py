@@ -8,15 +8,78 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fp8func as f8
+import fp8func.distributed._tp as tp_mod
 
 from .dist_harness import run_workers
 from .models import batch, tiny_qwen3
+from .test_fsdp import _CountAllGather
 
 QWEN_TP_PLAN = {
     "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
 }
+
+
+def qwen_sp_plans(fp8_styles: bool) -> tuple[dict, dict]:
+    """Sequence parallel for an HF Qwen3 (torchtitan's layout): the residual stream is sharded
+    along the sequence between the blocks; the attention and MLP inputs are gathered (in FP8 with
+    the fp8func styles), their outputs reduce-scattered back. Returns (model plan, block plan)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    from fp8func.distributed import Fp8ColwiseParallel, Fp8RowwiseParallel, PrepareFp8ModuleInput
+
+    prep, col, row = ((PrepareFp8ModuleInput, Fp8ColwiseParallel, Fp8RowwiseParallel) if fp8_styles
+                      else (PrepareModuleInput, ColwiseParallel, RowwiseParallel))
+    model_plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(),
+        "lm_head": col(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    block_plan = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": prep(input_kwarg_layouts={"hidden_states": Shard(1)},
+                          desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        "self_attn.q_proj": col(), "self_attn.k_proj": col(), "self_attn.v_proj": col(),
+        "self_attn.o_proj": row(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": prep(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+        "mlp.gate_proj": col(), "mlp.up_proj": col(), "mlp.down_proj": row(output_layouts=Shard(1)),
+    }
+    return model_plan, block_plan
+
+
+def sp_forward(model, ids, labels):
+    """HF Qwen3 with a sequence-sharded residual stream: positions and the (causal) mask are
+    given for the whole sequence, as the embedding's output holds only this rank's tokens."""
+    seq = ids.shape[1]
+    return model(input_ids=ids, labels=labels, position_ids=torch.arange(seq)[None],
+                 attention_mask={"full_attention": None}).loss
+
+
+def _qwen_sp_losses(rank, world_size, recipe, steps, seq, fp8_styles):
+    model = tiny_qwen3()
+    f8.convert(model, recipe, fsdp_fp8_all_gather=False)
+    if world_size > 1:
+        mesh = init_device_mesh("cpu", (world_size,))
+        model_plan, block_plan = qwen_sp_plans(fp8_styles)
+        parallelize_module(model, mesh, model_plan)
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh, block_plan)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    head_norms = [p for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n]
+    losses = []
+    for step in range(steps):
+        ids, labels = batch(step, 0, batch_size=4, seq=seq)
+        loss = sp_forward(model, ids, labels)
+        loss.backward()
+        for p in head_norms if world_size > 1 else ():
+            torch.distributed.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def _qwen_losses(rank, world_size, recipe, steps, tp):
@@ -58,6 +121,20 @@ def test_stock_tp_styles_on_fp8_layers_match_one_process(recipe):
         assert torch.isfinite(t).all()
         assert abs(losses[0] - single[0]) / single[0] < 1e-4  # same weights: only summation order differs
         assert ((t - s).abs() / s.abs()).max() < 1e-3, (losses[:4], single[:4])
+
+
+@pytest.mark.parametrize("recipe,seq", [("tensorwise", 128), ("rowwise", 128), ("blockwise", 256)])
+def test_sequence_parallel_qwen3_fp8_styles_match_stock_and_one_process(recipe, seq):
+    """The whole model sequence-parallel (embedding, norms, attention, MLP, lm_head) at TP=2 for
+    20 steps: the FP8 gathers give bitwise the stock bf16-gather run, which tracks one process."""
+    steps = 20
+    single = run_workers(_qwen_sp_losses, 1, recipe, steps, seq, True)[0]
+    fp8 = run_workers(_qwen_sp_losses, 2, recipe, steps, seq, True)
+    stock = run_workers(_qwen_sp_losses, 2, recipe, steps, seq, False)
+    assert fp8[0] == fp8[1] == stock[0], (fp8[0][:4], stock[0][:4])
+    t, s = torch.tensor(fp8[0]), torch.tensor(single)
+    assert torch.isfinite(t).all()
+    assert ((t - s).abs() / s.abs()).max() < 1e-3, (fp8[0][:4], single[:4])
 
 
 class SwiGLU(nn.Module):
@@ -121,8 +198,11 @@ def test_seed_scenario_colwise_dtensor_outputs_use_the_global_amax(recipe):
         assert r["rel_out"] < 1e-5 and r["rel_wgrad"] < 1e-5, r
 
 
-def _fsdp_tp(rank, world_size, recipe, fp8_gather, steps):
-    """FSDP2 over dp x TP over tp (2 x 2), or (world 1) the same model on one rank, same data."""
+def _fsdp_tp(rank, world_size, recipe, fp8_gather, steps, sp):
+    """FSDP2 over dp x TP over tp (2 x 2), or (world 1) the same model on one rank, same data.
+
+    ``sp``: sequence parallel with the fp8func styles (FP8 all-gathers on both mesh dims: the
+    weights over dp, the activations and grad_outputs over tp); else the stock TP styles."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     two_d = world_size == 4
@@ -130,15 +210,32 @@ def _fsdp_tp(rank, world_size, recipe, fp8_gather, steps):
     dp_mesh = mesh["dp"]
     model = tiny_qwen3()
     f8.convert(model, recipe, fsdp_fp8_all_gather=fp8_gather)
-    if two_d:
-        for layer in model.model.layers:
-            parallelize_module(layer, mesh["tp"], QWEN_TP_PLAN)
+    if two_d and sp:
+        model_plan, block_plan = qwen_sp_plans(fp8_styles=True)
+        parallelize_module(model, mesh["tp"], model_plan)
+    for layer in model.model.layers if two_d else ():
+        parallelize_module(layer, mesh["tp"], block_plan if sp else QWEN_TP_PLAN)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
     head_norms = [p for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sp_gathers, orig = [], tp_mod._gather_casts
+
+    def counting(*args):
+        sp_gathers.append(1)
+        return orig(*args)
+
+    tp_mod._gather_casts = counting
+    with _CountAllGather() as fsdp_counter:
+        losses = _fsdp_tp_steps(model, opt, mesh, head_norms, steps, two_d, sp)
+    tp_mod._gather_casts = orig
+    return {"losses": losses, "fsdp_bytes": fsdp_counter.bytes, "sp_gathers": len(sp_gathers)}
+
+
+def _fsdp_tp_steps(model, opt, mesh, head_norms, steps, two_d, sp):
+    dp_mesh = mesh["dp"]
     losses = []
     for step in range(steps):
         if two_d:
@@ -146,7 +243,7 @@ def _fsdp_tp(rank, world_size, recipe, fp8_gather, steps):
         else:  # both dp ranks' batches at once: the mean loss and gradient of the 2-D run
             parts = [batch(step, r, batch_size=2, seq=128) for r in range(2)]
             ids, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        loss = model(input_ids=ids, labels=labels).loss
+        loss = sp_forward(model, ids, labels) if sp else model(input_ids=ids, labels=labels).loss
         loss.backward()
         if two_d:
             for p in head_norms:  # per-head norms inside the TP region: partial over tp
@@ -161,19 +258,25 @@ def _fsdp_tp(rank, world_size, recipe, fp8_gather, steps):
     return losses
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_fsdp_x_tp_2d(recipe):
+@pytest.mark.parametrize("recipe,sp", [("tensorwise", True), ("rowwise", True), ("rowwise", False)],
+                         ids=["tensorwise-sp-fp8-styles", "rowwise-sp-fp8-styles", "rowwise-stock-styles"])
+def test_fsdp_x_tp_2d(recipe, sp):
     steps = 20
-    on = run_workers(_fsdp_tp, 4, recipe, True, steps)
-    off = run_workers(_fsdp_tp, 4, recipe, False, steps)
-    single = run_workers(_fsdp_tp, 1, recipe, False, steps)[0]
-    assert on[0] == off[0], "FSDP fp8 all-gather on/off must stay bitwise equal under 2D"
-    t, s = torch.tensor(on[0]), torch.tensor(single)
+    on = run_workers(_fsdp_tp, 4, recipe, True, steps, sp)
+    off = run_workers(_fsdp_tp, 4, recipe, False, steps, sp)
+    single = run_workers(_fsdp_tp, 1, recipe, False, steps, sp)[0]["losses"]
+    assert on[0]["losses"] == off[0]["losses"], "FSDP fp8 all-gather on/off must stay bitwise equal under 2D"
+    # FP8 on both mesh dims: FSDP2 gathers fewer weight bytes over dp (exact counts: test_fsdp.py);
+    # over tp, per step and rank, each block's attention and MLP inputs (forward) and o_proj's
+    # and down_proj's grad_outputs (backward) travel as fp8 casts, plus lm_head's input.
+    assert on[0]["fsdp_bytes"] < 0.6 * off[0]["fsdp_bytes"], (on[0]["fsdp_bytes"], off[0]["fsdp_bytes"])
+    assert on[0]["sp_gathers"] == (steps * (4 * 2 + 1) if sp else 0), on[0]["sp_gathers"]
+    t, s = torch.tensor(on[0]["losses"]), torch.tensor(single)
     assert torch.isfinite(t).all()
-    assert ((t - s).abs() / s.abs()).max() < 1e-3, (on[0][:4], single[:4])
+    assert ((t - s).abs() / s.abs()).max() < 1e-3, (on[0]["losses"][:4], single[:4])
 
 
-def _sp_mlp(rank, world_size, recipe, fp8_styles):
+def _sp_mlp(rank, world_size, recipe, fp8_styles, compiled=False):
     """Sequence-parallel SwiGLU: input and output sharded along the sequence (Shard(1))."""
     from torch.distributed.tensor import Shard
 
@@ -181,12 +284,12 @@ def _sp_mlp(rank, world_size, recipe, fp8_styles):
 
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
-    model = f8.convert(SwiGLU(), recipe, fsdp_fp8_all_gather=False)
+    # hidden 128 per rank: whole 128 x 128 weight blocks on every rank (blockwise)
+    model = f8.convert(SwiGLU(hidden=128 * world_size), recipe, fsdp_fp8_all_gather=False)
     col, row = (Fp8ColwiseParallel, Fp8RowwiseParallel) if fp8_styles else (ColwiseParallel, RowwiseParallel)
     parallelize_module(model, mesh, {"gate": col(input_layouts=Shard(1)), "up": col(input_layouts=Shard(1)),
                                      "down": row(output_layouts=Shard(1))})
-    import fp8func.distributed._tp as tp_mod
-
+    forward = torch.compile(model) if compiled else model
     gathers = []
     orig = tp_mod._gather_casts
 
@@ -196,26 +299,43 @@ def _sp_mlp(rank, world_size, recipe, fp8_styles):
 
     tp_mod._gather_casts = counting
     g = torch.Generator().manual_seed(1)
-    x_full = torch.randn(2, 256, 128, generator=g) * 3
-    dy_full = torch.randn(2, 256, 128, generator=g)
+    seq = 128 * world_size  # whole 128-token blocks per rank: blockwise gathers in fp8 too
+    x_full = torch.randn(2, seq, 128, generator=g) * 3
+    dy_full = torch.randn(2, seq, 128, generator=g)
     x = x_full.chunk(world_size, dim=1)[rank].clone().requires_grad_()
-    y = model(x)
+    y = forward(x)
     y.backward(dy_full.chunk(world_size, dim=1)[rank])
     tp_mod._gather_casts = orig
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    if fp8_styles:  # gate's and up's inputs, then down's grad_output: all three gathered in fp8
-        assert [names[0] for names in gathers] == ["x", "x", "dy"], gathers
     # clone(): the stock style returns an AsyncCollectiveTensor; a compute op waits for it.
-    return {"y": y.detach().clone(), "dx": x.grad.clone(), "grads": grads}
+    return {"y": y.detach().clone(), "dx": x.grad.clone(), "grads": grads,
+            "gathers": [names[0] for names in gathers]}
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
-def test_fp8_sequence_parallel_gather_is_bitwise_the_bf16_gather_then_cast(recipe):
-    fp8 = run_workers(_sp_mlp, 2, recipe, True)
-    stock = run_workers(_sp_mlp, 2, recipe, False)
+@pytest.mark.parametrize("recipe,world_size", [("tensorwise", 2), ("rowwise", 2), ("blockwise", 2),
+                                               ("rowwise_with_gw_hp", 2), ("rowwise", 4), ("blockwise", 4)])
+def test_fp8_sequence_parallel_gather_is_bitwise_the_bf16_gather_then_cast(recipe, world_size):
+    fp8 = run_workers(_sp_mlp, world_size, recipe, True)
+    stock = run_workers(_sp_mlp, world_size, recipe, False)
+    # gate's and up's inputs, then down's grad_output, gathered in fp8; rowwise_with_gw_hp needs
+    # the high-precision input and grad_output for its grad_weight GEMM, so it gathers in bf16.
+    assert fp8[0]["gathers"] == ([] if recipe == "rowwise_with_gw_hp" else ["x", "x", "dy"]), fp8[0]["gathers"]
     for a, b in zip(fp8, stock):
         assert torch.equal(a["y"], b["y"])
         assert torch.equal(a["dx"], b["dx"])
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), name
+
+
+@pytest.mark.parametrize("recipe", ["rowwise"])  # the graph-break path is the same for every recipe
+def test_fp8_sequence_parallel_styles_under_torch_compile(recipe):
+    """Compiled, the FP8 input gathers run at graph breaks and the grad_output gather takes the
+    stock path (see Fp8RowwiseParallel); the result is bitwise the compiled stock styles'."""
+    fp8 = run_workers(_sp_mlp, 2, recipe, True, True)
+    stock = run_workers(_sp_mlp, 2, recipe, False, True)
+    assert fp8[0]["gathers"] == ["x", "x"], fp8[0]["gathers"]
+    for a, b in zip(fp8, stock):
+        assert torch.equal(a["y"], b["y"]) and torch.equal(a["dx"], b["dx"])
         for name in a["grads"]:
             assert torch.equal(a["grads"][name], b["grads"][name]), name
 
@@ -233,6 +353,24 @@ def _refuse_plain(rank, world_size):
 
 def test_fp8_styles_refuse_plain_linear():
     assert "applies to fp8func.nn.Fp8Linear, got Linear; run fp8func.convert" in run_workers(_refuse_plain, 2)[0]
+
+
+def _split_blocks(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = f8.convert(SwiGLU(dim=128, hidden=128), "blockwise", fsdp_fp8_all_gather=False)
+    parallelize_module(model, mesh, {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()})
+    try:
+        model(torch.randn(128, 128))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_blockwise_weight_blocks_split_by_tp_raise_a_clear_error():
+    """hidden 128 over TP=2: 64 rows per rank split each 128 x 128 weight block between two ranks."""
+    msg = run_workers(_split_blocks, 2)[0]
+    assert "the local size 64 is not a multiple of block 128, so a block straddles two ranks" in msg, msg
+    assert "tensor parallel: a degree that leaves each shard a multiple of it" in msg, msg
 
 
 class QKV(nn.Module):

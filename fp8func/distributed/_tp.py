@@ -11,30 +11,66 @@ amaxes through DTensor); these styles save the bandwidth.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from .._autograd import activation_casts, grad_output_casts
-from .._collectives import _gather_padded, gather_sizes
+from .._collectives import _gather_padded
 from .._ops import quantize
 from .._qtensor import Fp8Tensor
-from .._scaling import Recipe, block_lengths
+from .._scaling import Recipe, raw_block_lengths
 from .._sharding import Sharding
 from .._gathered import Fp8GatheredWeight
 
 __all__ = ["Fp8ColwiseParallel", "Fp8RowwiseParallel", "PrepareFp8ModuleInput", "sequence_all_gather"]
+
+log = logging.getLogger("fp8func")
+_logged: set = set()
+
+
+def _token_block(spec) -> int | None:
+    """Tokens per scale group of a ``[tokens, F]`` cast: None (all of them), 1 (per token) or a block."""
+    return raw_block_lengths(spec.granularity, (1, 1))[0]
+
+
+def _split_token_block(s_local: int, specs) -> int | None:
+    """A token block of ``specs`` that straddles two ranks' shards of ``s_local`` tokens, if any."""
+    return next((blk for blk in map(_token_block, (spec for _, spec in specs))
+                 if blk is not None and s_local % blk), None)
+
+
+def _fp8_gather_fits(s_local: int, specs) -> bool:
+    """Whether the FP8 sequence gather applies; if not, says once why the layer gathers in bf16."""
+    block = _split_token_block(s_local, specs)
+    if block is not None and (s_local, block) not in _logged:
+        _logged.add((s_local, block))
+        log.warning("fp8func: sequence shards of %d tokens split the %d-token scale blocks of the cast; "
+                    "these layers gather their activations in high precision (correct, twice the bytes). "
+                    "A sequence length divisible by %d x TP size lets them gather in FP8.",
+                    s_local, block, block)
+    return block is None
 
 
 def _gather_casts(x_local: torch.Tensor, mesh: DeviceMesh, specs) -> DTensor:
     """Casts each of ``specs`` of a sequence shard ``[B, S/tp, F]`` with the TP-reduced amax and
     all-gathers the fp8 bytes (and the per-token / per-block scales) along the sequence.
 
+    Shards are even, as the stock styles assume (``DTensor.from_local`` of a ``Shard(1)`` input).
     Returns a Replicate DTensor ``[B, S, F]`` that exists only as its (2-D, ``[B*S, F]``) casts.
     """
     b, s_local, f = x_local.shape
-    sizes = gather_sizes(s_local, mesh, 0)
+    block = _split_token_block(s_local, specs)
+    if block is not None:
+        raise ValueError(
+            f"fp8func: sequence shards of {s_local} tokens split the {block}-token scale blocks of "
+            "the casts; use a sequence length divisible by the block x TP size."
+        )
+    ws = mesh.size(0)
+    sizes = [s_local] * ws
     rows = x_local.reshape(-1, f)  # [B * S_local, F]: this rank's tokens
     sharding = Sharding(mesh, (Shard(0),))  # the tokens are split over the TP group
     casts = {}
@@ -42,18 +78,12 @@ def _gather_casts(x_local: torch.Tensor, mesh: DeviceMesh, specs) -> DTensor:
         q = quantize(rows, spec, sharding=sharding)
         data = _gather_padded(q.data.view(torch.uint8).reshape(b, s_local, f), 1, sizes, mesh, 0)
         scale = q.scale
-        block = block_lengths(spec.granularity, tuple(rows.shape))[0]
+        block = _token_block(spec)
         if block is not None:  # one scale per token / per token block: gather with the tokens
-            if any(n % block for n in sizes):
-                raise ValueError(
-                    f"fp8func: sequence shards of {sizes} tokens are not multiples of the {block}-token "
-                    f"blocks of the {spec.granularity!r} cast; use a sequence length divisible by "
-                    f"{block} x TP size."
-                )
             scale = _gather_padded(scale.reshape(b, s_local // block, -1), 1,
                                    [n // block for n in sizes], mesh, 0).reshape(-1, scale.shape[1])
         casts[name] = Fp8Tensor(data.reshape(-1, f).view(spec.dtype), scale, q.meta)
-    full = Fp8GatheredWeight(casts, (b, sum(sizes), f), x_local.dtype)
+    full = Fp8GatheredWeight(casts, (b, s_local * ws, f), x_local.dtype)
     return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
 
 
@@ -102,7 +132,15 @@ def sequence_all_gather(x_local: torch.Tensor, mesh: DeviceMesh, recipe: Recipe)
     """
     if x_local.ndim != 3:
         raise ValueError(f"sequence_all_gather: expected [batch, seq, features], got shape {tuple(x_local.shape)}.")
-    return _SequenceAllGather.apply(x_local, mesh, recipe)
+    return _apply_eagerly(_SequenceAllGather, x_local, mesh, recipe)
+
+
+@torch._dynamo.disable
+def _apply_eagerly(fn: type[torch.autograd.Function], *args):
+    # Under torch.compile the gathers run eagerly between two graphs (a graph break). Dynamo
+    # cannot trace an autograd.Function that builds a tensor subclass from collectives on a
+    # DeviceMesh argument; the layer on either side still compiles.
+    return fn.apply(*args)
 
 
 def _require_fp8_linear(style, module, stock: str) -> None:
@@ -113,6 +151,11 @@ def _require_fp8_linear(style, module, stock: str) -> None:
             f"{type(style).__name__} applies to fp8func.nn.Fp8Linear, got {type(module).__name__}; "
             f"run fp8func.convert(model, ...) first, or use {stock} for this layer."
         )
+
+
+def _local_len(x: torch.Tensor) -> int:
+    """This rank's sequence length of a ``Shard(1)`` input (a DTensor, or already its local shard)."""
+    return x.to_local().shape[1] if isinstance(x, DTensor) else x.shape[1]
 
 
 def _is_seq_shard(layouts) -> bool:
@@ -132,7 +175,8 @@ class Fp8ColwiseParallel(ColwiseParallel):
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
         x = inputs[0]
         fp8_gather = (_is_seq_shard(input_layouts) and not _is_seq_shard(desired_input_layouts)
-                      and activation_casts(mod.recipe) and x.ndim == 3)
+                      and activation_casts(mod.recipe) and x.ndim == 3
+                      and _fp8_gather_fits(_local_len(x), activation_casts(mod.recipe)))
         if not fp8_gather:
             return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
         local = x.to_local() if isinstance(x, DTensor) else x
@@ -152,11 +196,15 @@ class Fp8RowwiseParallel(RowwiseParallel):
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         seq = _is_seq_shard(output_layouts)
-        fp8 = (seq and isinstance(outputs, DTensor) and outputs.ndim == 3 and mod.bias is None
-               and grad_output_casts(mod.recipe) and all(p.is_partial() for p in outputs.placements))
+        # Under torch.compile the stock path: the fp8 casts would reach the compiled backward as
+        # a tensor-subclass tangent, which AOTAutograd cannot take unless it traced one.
+        fp8 = (seq and not torch.compiler.is_compiling() and isinstance(outputs, DTensor) and outputs.ndim == 3
+               and mod.bias is None
+               and grad_output_casts(mod.recipe) and all(p.is_partial() for p in outputs.placements)
+               and _fp8_gather_fits(outputs.shape[1] // device_mesh.size(0), grad_output_casts(mod.recipe)))
         if not fp8:
             return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return _SequenceReduceScatter.apply(outputs, mod.recipe, use_local_output)
+        return _apply_eagerly(_SequenceReduceScatter, outputs, mod.recipe, use_local_output)
 
 
 class PrepareFp8ModuleInput(PrepareModuleInput):
@@ -190,7 +238,8 @@ class PrepareFp8ModuleInput(PrepareModuleInput):
     def _prepare_input_arg(self, input, mesh, input_layout, desired_layout):
         recipe = getattr(self, "_recipe", None)
         if (recipe is None or not activation_casts(recipe) or not isinstance(input, torch.Tensor)
-                or input.ndim != 3 or not _is_seq_shard(input_layout) or _is_seq_shard(desired_layout)):
+                or input.ndim != 3 or not _is_seq_shard(input_layout) or _is_seq_shard(desired_layout)
+                or not _fp8_gather_fits(_local_len(input), activation_casts(recipe))):
             return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
         local = input.to_local() if isinstance(input, DTensor) else input
         return sequence_all_gather(local, mesh, recipe)
