@@ -276,8 +276,10 @@ def test_fsdp_x_tp_2d(recipe, sp):
     assert ((t - s).abs() / s.abs()).max() < 1e-3, (on[0]["losses"][:4], single[:4])
 
 
-def _sp_mlp(rank, world_size, recipe, fp8_styles, compiled=False):
-    """Sequence-parallel SwiGLU: input and output sharded along the sequence (Shard(1))."""
+def _sp_mlp(rank, world_size, recipe, fp8_styles, compiled=False, local_output=True):
+    """Sequence-parallel SwiGLU: input and output sharded along the sequence (Shard(1)).
+
+    ``local_output=False``: every style hands on DTensors (``use_local_output=False``)."""
     from torch.distributed.tensor import Shard
 
     from fp8func.distributed import Fp8ColwiseParallel, Fp8RowwiseParallel
@@ -287,8 +289,9 @@ def _sp_mlp(rank, world_size, recipe, fp8_styles, compiled=False):
     # hidden 128 per rank: whole 128 x 128 weight blocks on every rank (blockwise)
     model = f8.convert(SwiGLU(hidden=128 * world_size), recipe, fsdp_fp8_all_gather=False)
     col, row = (Fp8ColwiseParallel, Fp8RowwiseParallel) if fp8_styles else (ColwiseParallel, RowwiseParallel)
-    parallelize_module(model, mesh, {"gate": col(input_layouts=Shard(1)), "up": col(input_layouts=Shard(1)),
-                                     "down": row(output_layouts=Shard(1))})
+    kw = {"use_local_output": local_output}
+    parallelize_module(model, mesh, {"gate": col(input_layouts=Shard(1), **kw), "up": col(input_layouts=Shard(1), **kw),
+                                     "down": row(output_layouts=Shard(1), **kw)})
     forward = torch.compile(model) if compiled else model
     gathers = []
     orig = tp_mod._gather_casts
@@ -304,7 +307,12 @@ def _sp_mlp(rank, world_size, recipe, fp8_styles, compiled=False):
     dy_full = torch.randn(2, seq, 128, generator=g)
     x = x_full.chunk(world_size, dim=1)[rank].clone().requires_grad_()
     y = forward(x)
-    y.backward(dy_full.chunk(world_size, dim=1)[rank])
+    dy = dy_full.chunk(world_size, dim=1)[rank]
+    if not local_output:
+        assert isinstance(y, DTensor) and y.placements == (Shard(1),), y
+        dy = DTensor.from_local(dy, mesh, [Shard(1)])
+    y.backward(dy)
+    y = y.to_local() if isinstance(y, DTensor) else y
     tp_mod._gather_casts = orig
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     # clone(): the stock style returns an AsyncCollectiveTensor; a compute op waits for it.
@@ -323,6 +331,18 @@ def test_fp8_sequence_parallel_gather_is_bitwise_the_bf16_gather_then_cast(recip
     for a, b in zip(fp8, stock):
         assert torch.equal(a["y"], b["y"])
         assert torch.equal(a["dx"], b["dx"])
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), name
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_sequence_parallel_styles_with_dtensor_outputs(recipe):
+    """use_local_output=False on every style: DTensors flow between the layers, same bits."""
+    fp8 = run_workers(_sp_mlp, 2, recipe, True, False, False)
+    stock = run_workers(_sp_mlp, 2, recipe, False, False, False)
+    assert fp8[0]["gathers"] == ["x", "x", "dy"], fp8[0]["gathers"]
+    for a, b in zip(fp8, stock):
+        assert torch.equal(a["y"], b["y"]) and torch.equal(a["dx"], b["dx"])
         for name in a["grads"]:
             assert torch.equal(a["grads"][name], b["grads"][name]), name
 
