@@ -11,13 +11,40 @@ from __future__ import annotations
 
 import torch
 
+from ._delayed import LinearScalingState, ScalingState
 from ._gathered import gathered_casts
 from ._gemm import gemm
 from ._ops import quantize
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import BlockWise, CastSpec, Recipe, TensorWise, block_lengths, transpose_granularity
+from ._scaling import AxisWise, BlockWise, CastSpec, Recipe, TensorWise, block_lengths, transpose_granularity
 
 __all__ = ["linear"]
+
+# Which casts run the fused kernels of ``fp8func.kernels``: "auto" (CUDA tensors), "off" (always
+# ``quantize``) or "reference" (the kernels' PyTorch twins on every device: tests the plumbing
+# on the CPU). Same bits every way (tests/test_kernels.py, tests/test_linear.py).
+KERNELS = "auto"
+_KERNEL_GRANULARITIES = (TensorWise(), AxisWise(-1), AxisWise(1), BlockWise((1, 128)), BlockWise((128, 128)))
+
+
+def _use_kernels(t: torch.Tensor, spec: CastSpec) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if KERNELS == "off" or isinstance(t, DTensor) or t.ndim != 2 or not t.is_contiguous():
+        return False
+    if t.dtype not in (torch.bfloat16, torch.float32) or spec.granularity not in _KERNEL_GRANULARITIES:
+        return False
+    return KERNELS == "reference" or t.is_cuda
+
+
+def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+    """``quantize(t, spec)`` and, with ``transpose``, ``quantize(t.T, spec)`` (a row-major
+    ``[K, M]`` payload), by the fused kernels where they apply: one amax for both copies."""
+    if _use_kernels(t, spec):
+        from . import kernels
+
+        return kernels.quantize(t, spec, transpose=transpose, impl="reference" if KERNELS == "reference" else "auto")
+    return quantize(t, spec), (quantize(t.t(), spec) if transpose else None)
 
 
 def _transpose_invariant(spec: CastSpec) -> bool:
@@ -99,11 +126,11 @@ class _LinearFn(torch.autograd.Function):
     def forward(x, weight, bias, recipe: Recipe, w_data, w_scale, wt_data, wt_scale,
                 x_data=None, x_scale=None, xt_data=None, xt_scale=None):
         if x_data is None:
-            qx = quantize(x.reshape(-1, x.shape[-1]), recipe.input)
+            qx = _cast(x.reshape(-1, x.shape[-1]), recipe.input)[0]
         else:
             qx = Fp8Tensor(x_data.view_as(x_data), x_scale.view_as(x_scale), Fp8Meta(recipe.input, x.dtype))
         if w_data is None:
-            qw = quantize(weight, recipe.weight)  # [N, K], contraction last
+            qw = _cast(weight, recipe.weight)[0]  # [N, K], contraction last
         else:
             # Views, not the inputs themselves: autograd.Function outputs that are saved must not
             # be inputs returned as they are.
@@ -141,8 +168,12 @@ class _LinearFn(torch.autograd.Function):
             raise ValueError("fp8func: a grad_output gathered in FP8 cannot give a bias gradient; "
                              "use the stock RowwiseParallel for layers with a bias.")
         dx = dw = db = None
+        fp8_dw = ctx.needs_input_grad[1] and not recipe.grad_weight_hp
+        if dy_casts is None and (ctx.needs_input_grad[0] or fp8_dw):
+            # [M, N] along N for grad_input, and [N, M] along M for grad_weight: one call, one amax
+            qdy, qdy_t = _cast(dy2, recipe.grad_output, transpose=fp8_dw)
         if ctx.needs_input_grad[0]:
-            qdy = dy_casts["dy"] if dy_casts else quantize(dy2, recipe.grad_output)  # [M, N] along N
+            qdy = dy_casts["dy"] if dy_casts else qdy
             if ctx.reuse_w:
                 b = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype))  # [N, K]
             elif ctx.given_wt:
@@ -155,9 +186,7 @@ class _LinearFn(torch.autograd.Function):
                 x2 = x_a.reshape(-1, x_a.shape[-1])
                 dw = dy2.t().to(x2.dtype) @ x2
             else:
-                if dy_casts is None:
-                    qdy_t = quantize(dy2.t(), recipe.grad_output)  # [N, M] along M
-                else:
+                if dy_casts is not None:
                     qdy_t = dy_casts.get("dy_t", dy_casts["dy"]).t()
                 if ctx.reuse_x:
                     b = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype))
@@ -189,6 +218,69 @@ class _LinearFn(torch.autograd.Function):
         return stacked, (0,) * len(stacked)
 
 
+class _DelayedLinearFn(torch.autograd.Function):
+    """The tensorwise linear with delayed scaling: the input and weight states are updated in the
+    forward (returned as outputs), the grad_output state in the backward, returned as the
+    *gradient* of the grad_output state inputs ("overwrite with gradient", as flax's fp8_ops), so
+    ``torch.func.grad`` / ``vjp`` hand it back and ``.grad`` carries it in eager autograd."""
+
+    @staticmethod
+    def forward(x, weight, bias, recipe: Recipe, sharding, x_hist, x_scale, w_hist, w_scale, dy_hist, dy_scale):
+        algo = recipe.delayed.algo
+        qx, sx = quantize(x.reshape(-1, x.shape[-1]), recipe.input, state=ScalingState(x_hist, x_scale), algo=algo,
+                          sharding=sharding)
+        qw, sw = quantize(weight, recipe.weight, state=ScalingState(w_hist, w_scale), algo=algo)
+        y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path)
+        return (y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale,
+                sx.amax_history, sx.scale, sw.amax_history, sw.scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, recipe, *_, dy_hist, dy_scale = inputs
+        _, qx_data, qx_scale, qw_data, qw_scale, *states = output
+        ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale, *states)
+        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, weight.dtype
+        ctx.sharding = inputs[4]
+        ctx.has_bias, ctx.bias_dtype = bias is not None, None if bias is None else bias.dtype
+        ctx.save_for_backward(qx_data, qx_scale, qw_data, qw_scale, dy_hist, dy_scale)
+
+    @staticmethod
+    def backward(ctx, dy, *_unused):
+        recipe: Recipe = ctx.recipe
+        qx_data, qx_scale, qw_data, qw_scale, dy_hist, dy_scale = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        qdy, sdy = quantize(dy2, recipe.grad_output, state=ScalingState(dy_hist, dy_scale), algo=recipe.delayed.algo,
+                            sharding=ctx.sharding)
+        qx = Fp8Tensor(qx_data, qx_scale, Fp8Meta(recipe.input, ctx.x_dtype))
+        qw = Fp8Tensor(qw_data, qw_scale, Fp8Meta(recipe.weight, ctx.w_dtype))
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = gemm(qdy, qw, out_dtype=ctx.x_dtype, path=recipe.path).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            dw = gemm(qdy.t(), qx, out_dtype=ctx.w_dtype, path=recipe.path).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None, None, None, sdy.amax_history, sdy.scale
+
+
+def linear_delayed(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe, state: LinearScalingState,
+    amax_sharding=None,
+) -> tuple[torch.Tensor, LinearScalingState]:
+    """``linear`` with delayed scaling: ``(y, new_state)``; see ``linear``.
+
+    ``amax_sharding``: how ``x``'s (and ``dy``'s) rows are split across ranks, e.g. the
+    data-parallel ranks ``Sharding(dp_mesh, (Shard(0),))``: the recorded amaxes are then reduced
+    over them, so every rank keeps the same state.
+    """
+    if not isinstance(state, LinearScalingState):
+        raise TypeError(f"linear(recipe={recipe.name!r}) needs state=LinearScalingState (delayed scaling), got "
+                        f"{type(state).__name__}; make one with fp8func.LinearScalingState.init(history_len).")
+    out = _DelayedLinearFn.apply(x, weight, bias, recipe, amax_sharding, *state.input, *state.weight, *state.grad_output)
+    y, *_, xh, xs, wh, ws = out
+    return y, LinearScalingState(ScalingState(xh, xs), ScalingState(wh, ws), state.grad_output)
+
+
 def _check_gemm_shapes(recipe: Recipe, m: int, k: int, n: int) -> None:
     """Fails in the forward, not halfway through the backward, if a cast cannot tile an operand."""
     operands = [(recipe.input, (m, k), "input x"), (recipe.weight, (n, k), "weight w"),
@@ -212,11 +304,20 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     recipe: Recipe | str = "tensorwise",
-) -> torch.Tensor:
+    *,
+    state: LinearScalingState | None = None,
+):
     """FP8 drop-in for ``torch.nn.functional.linear``: ``x @ weight.T + bias``, differentiable.
 
     Works under ``torch.func.grad`` / ``vjp`` / ``vmap`` / ``functional_call`` and
     ``torch.compile(fullgraph=True)``.
+
+    Delayed scaling (a recipe with ``delayed``, e.g. ``"delayed"``): pass ``state`` (a
+    ``LinearScalingState``) and get ``(y, new_state)``. ``new_state`` holds the updated input and
+    weight states; the grad_output state is updated in the backward and comes back as the
+    gradient of ``state.grad_output`` (``torch.func.grad(..., argnums=...)`` over the state, or
+    ``.grad`` of its tensors when they require grad): take it with ``new_state._replace(
+    grad_output=state_grads.grad_output)``. ``fp8func.nn.Fp8Linear`` does this for you.
 
     Args:
         x: ``[..., K]`` activations (bf16 or fp32); the output has ``x``'s dtype.
@@ -242,6 +343,11 @@ def linear(
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"linear: bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},).")
     _check_gemm_shapes(recipe, x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0])
+    if recipe.delayed is not None:
+        return linear_delayed(x, weight, bias, recipe, state)
+    if state is not None:
+        raise ValueError(f"linear: state= is for delayed scaling, but recipe {recipe.name!r} scales dynamically; "
+                         "use recipe='delayed' or drop the state.")
     return _LinearFn.apply(x, weight, bias, recipe, None, None, None, None, None, None, None, None)[0]
 
 

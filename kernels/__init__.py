@@ -1,8 +1,23 @@
 """fp8func.kernels: Triton kernels for fused amax / cast / transpose (installed from ``kernels/``).
 
-Always optional: every kernel has a pure-PyTorch twin in ``fp8func`` (``quantize``,
-``quantize_with_scale``) that it must match bitwise. Nothing here is imported by the core, and
-importing this package probes no hardware.
+Always optional: every kernel has a pure-PyTorch twin (``_reference``, calls into
+``fp8func.quantize`` / ``quantize_with_scale``) that it matches bitwise; ``impl="reference"``
+forces it, and ``impl="auto"`` uses it wherever the tensor is not on CUDA or Triton is not
+installed. Nothing here is imported by the core, and importing this package imports no Triton
+and probes no hardware (the kernels module is imported on first use).
+
+Example:
+    >>> import torch, fp8func as f8, fp8func.kernels as k
+    >>> spec = f8.CastSpec(f8.E4M3, f8.BlockWise((1, 128)))
+    >>> q, q_t = k.quantize(torch.randn(128, 256), spec, transpose=True)
+    >>> q.scale.shape, q_t.scale.shape
+    (torch.Size([128, 2]), torch.Size([256, 1]))
 """
 
-__all__: list[str] = []
+from ._dispatch import IMPLS as IMPLS
+from ._dispatch import amax as amax
+from ._dispatch import cast as cast
+from ._dispatch import quantize as quantize
+from ._dispatch import triton_available as triton_available
+
+__all__ = ["IMPLS", "amax", "cast", "quantize", "triton_available"]

@@ -110,3 +110,26 @@ def test_mx_on_hopper_falls_back_loudly(caplog):
         assert f8.gemm_path(a, b) == "emulated"
         f8.gemm(a, b)
     assert sum("emulated FP8 GEMM on a GPU" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_linear_with_triton_kernels_is_bitwise_the_plain_casts(recipe, compiled, monkeypatch):
+    import fp8func._autograd as autograd_mod
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4, 256, 512, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(1024, 512, device="cuda", generator=g) / 512**0.5).bfloat16()
+    dy = torch.randn(4, 256, 1024, device="cuda", generator=g).bfloat16()
+    runs = {}
+    for mode in ("off", "auto"):
+        monkeypatch.setattr(autograd_mod, "KERNELS", mode)
+        torch._dynamo.reset()
+        fn = lambda x, w: f8.linear(x, w, recipe=recipe)  # noqa: E731
+        fn = torch.compile(fn, fullgraph=True) if compiled else fn
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xx, ww)
+        y.backward(dy)
+        runs[mode] = (y, xx.grad, ww.grad)
+    for a, b in zip(runs["off"], runs["auto"]):
+        assert torch.equal(a, b)

@@ -174,3 +174,30 @@ def test_no_grad_forward_and_partial_grads():
     wp = w.clone().requires_grad_()
     f8.linear(x, wp).backward(dy)  # only the weight needs a gradient
     assert wp.grad is not None and _LinearFn is not None
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8"])
+def test_linear_through_the_kernel_twins_is_bitwise_the_plain_casts(recipe, monkeypatch):
+    """KERNELS="reference" routes every cast that has a fused kernel through the kernel dispatch
+    (its PyTorch twin here; the Triton kernel on a GPU, tests/test_gpu.py): same bits."""
+    import fp8func._autograd as autograd_mod
+    import fp8func.kernels as kernels
+
+    calls = []
+    orig = kernels.quantize
+    monkeypatch.setattr(kernels, "quantize", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 128, 256, generator=g).bfloat16()
+    w = torch.randn(384, 256, generator=g) / 16
+    dy = torch.randn(2, 128, 384, generator=g).bfloat16()
+    runs = {}
+    for mode in ("off", "reference"):
+        monkeypatch.setattr(autograd_mod, "KERNELS", mode)
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = f8.linear(xx, ww, recipe=recipe)
+        y.backward(dy)
+        runs[mode] = (y, xx.grad, ww.grad)
+    # x, w and dy (with its transpose) go through the kernels; MX has no kernel
+    assert len(calls) == (0 if recipe == "mxfp8" else 3), calls
+    for a, b in zip(runs["off"], runs["reference"]):
+        assert torch.equal(a, b)

@@ -119,3 +119,51 @@ def test_shell_errors():
         linear_with_casts(torch.randn(4, 64), w, None, f8.Recipe.from_name("rowwise"), {"w": q})
     with pytest.raises(TypeError, match="all_gather: expected an Fp8Tensor, got Tensor"):
         f8.all_gather(w, None)
+
+
+def test_convert_auto_filter_keeps_small_layers_in_bf16_and_says_why():
+    """filter="auto": the roofline model (H200 profile off the GPU) converts a 4096x14336 layer at
+    16384 tokens and keeps a 2048x2048 one (FP8 measured slower there: docs/benchmarks.md)."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4096, 14336, bias=False), nn.Linear(2048, 2048, bias=False))
+    f8.convert(model, "tensorwise", filter="auto", tokens=16384, fsdp_fp8_all_gather=False)
+    rows = {r.fqn: r for r in f8.report(model, print_table=False)}
+    assert rows["0"].converted and rows["0"].reason.startswith("auto: 1."), rows["0"]
+    assert not rows["1"].converted and rows["1"].reason.startswith("auto: kept bf16, FP8 not faster"), rows["1"]
+    assert "at 16384 tokens on H200" in rows["1"].reason
+    with pytest.raises(ValueError, match="filter='fast'; expected a callable"):
+        f8.convert(nn.Sequential(nn.Linear(16, 16)), filter="fast")
+
+
+def test_roofline_model_ranks_the_measured_shapes():
+    """The model's verdict (FP8 faster or not) agrees with the H200 measurements of
+    ``python -m fp8func.bench linear`` (docs/benchmarks.md) on every measured shape, for torchao
+    and fp8func alike: FP8 wins on the four large shapes, loses on the two small ones."""
+    from fp8func.nn._auto import PROFILES, estimate_ms
+
+    p = PROFILES["H200"]
+    for m, k, n in [(16384, 4096, 14336), (16384, 14336, 4096), (8192, 8192, 8192)]:
+        for recipe in ("tensorwise", "rowwise"):
+            assert estimate_ms(m, k, n, f8.Recipe.from_name(recipe), p) < estimate_ms(m, k, n, None, p)
+    for m, k, n in [(4096, 2048, 2048), (4096, 4096, 1024)]:
+        for recipe in ("tensorwise", "rowwise", "blockwise"):
+            assert estimate_ms(m, k, n, f8.Recipe.from_name(recipe), p) > estimate_ms(m, k, n, None, p)
+
+
+def test_state_dict_of_fp8_all_gather_weights_saves_plain_tensors():
+    """Checkpoints hold plain high-precision tensors: weights_only loads work without fp8func."""
+    import io
+
+    model = f8.convert(tiny_qwen3(layers=1), "rowwise")
+    assert isinstance(model.model.layers[0].mlp.up_proj.weight, Fp8AllGatherWeight)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    w = loaded["model.layers.0.mlp.up_proj.weight"]
+    assert type(w) is torch.Tensor and torch.equal(w, model.model.layers[0].mlp.up_proj.weight._tensor)
+    fresh = f8.convert(tiny_qwen3(layers=1, seed=1), "rowwise")
+    fresh.load_state_dict(loaded)
+    assert isinstance(fresh.model.layers[0].mlp.up_proj.weight, Fp8AllGatherWeight)
+    assert torch.equal(fresh.model.layers[0].mlp.up_proj.weight._tensor, w)

@@ -1,4 +1,4 @@
-"""``python -m fp8func.bench gemm [--iters N] [--json PATH]``: print a markdown table."""
+"""``python -m fp8func.bench {gemm,quantize,linear,block,calibrate} [--iters N] [--json PATH]``: print a markdown table."""
 
 from __future__ import annotations
 
@@ -7,22 +7,31 @@ import json
 
 import torch
 
-from . import _gemm
+from . import _block, _calibrate, _gemm, _linear, _quant
 from ._timing import environment
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fp8func.bench", description=__doc__)
-    parser.add_argument("what", choices=["gemm"], help="which benchmark to run")
+    parser.add_argument("what", choices=["gemm", "quantize", "linear", "block", "calibrate"], help="which benchmark to run")
     parser.add_argument("--iters", type=int, default=50, help="timed runs per case (median reported)")
     parser.add_argument("--json", help="also write rows and environment to this JSON file")
+    parser.add_argument("--shapes", help="quantize: MxK[,...]; linear: MxKxN[,...] instead of the default shapes")
+    parser.add_argument("--recipes", help="linear / block: comma list of recipes (default tensorwise,rowwise,blockwise)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fp8func.bench needs a CUDA GPU: these are throughput figures, not tests.")
     env = environment()
-    rows = _gemm.run(iters=args.iters)
+    bench = {"gemm": _gemm, "quantize": _quant, "linear": _linear, "block": _block,
+             "calibrate": _calibrate}[args.what]
+    if args.shapes and args.what not in ("quantize", "linear"):
+        parser.error("--shapes applies to the quantize and linear benchmarks only")
+    kwargs = {"shapes": [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]} if args.shapes else {}
+    if args.recipes:
+        kwargs["recipes"] = tuple(args.recipes.split(","))
+    rows = bench.run(iters=args.iters, **kwargs)
     print(" | ".join(f"{k}: {v}" for k, v in env.items()))
-    print(_gemm.table(rows))
+    print(bench.table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": env, "rows": rows}, f, indent=1)

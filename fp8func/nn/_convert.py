@@ -10,6 +10,7 @@ from typing import Callable
 from torch import nn
 
 from .._scaling import Recipe, block_lengths
+from ._auto import estimate_ms, profile_for
 from ._linear import Fp8Linear
 
 __all__ = ["convert", "report", "LayerReport", "Report"]
@@ -19,7 +20,7 @@ _DECISIONS = "_fp8func_decisions"  # fqn -> reason it was not converted ("" when
 
 
 def _why_not(module: nn.Linear, fqn: str, recipe: Recipe, filter_fn) -> str:
-    if filter_fn is not None and not filter_fn(module, fqn):
+    if callable(filter_fn) and not filter_fn(module, fqn):
         return "excluded by filter"
     k, n = module.in_features, module.out_features
     if k % 16 or n % 16:
@@ -32,18 +33,31 @@ def _why_not(module: nn.Linear, fqn: str, recipe: Recipe, filter_fn) -> str:
     return ""
 
 
+def _auto(module: nn.Linear, recipe: Recipe, tokens: int, profile) -> tuple[str, str]:
+    """(reason to keep bf16 or "", note for a converted layer) from the roofline model."""
+    k, n = module.in_features, module.out_features
+    bf16, fp8 = estimate_ms(tokens, k, n, None, profile), estimate_ms(tokens, k, n, recipe, profile)
+    figures = f"modelled fwd+bwd at {tokens} tokens on {profile.name}: fp8 {fp8:.3f} ms, bf16 {bf16:.3f} ms"
+    if fp8 >= bf16:
+        return f"auto: kept bf16, FP8 not faster ({figures})", ""
+    return "", f"auto: {bf16 / fp8:.2f}x ({figures})"
+
+
 def convert(
     model: nn.Module,
     recipe: Recipe | str = "tensorwise",
     *,
-    filter: Callable[[nn.Module, str], bool] | None = None,
+    filter: Callable[[nn.Module, str], bool] | str | None = None,
     fsdp_fp8_all_gather: bool = True,
+    tokens: int = 8192,
 ) -> nn.Module:
     """Replaces ``nn.Linear`` layers of ``model`` in place with ``Fp8Linear``; returns ``model``.
 
     Parameters keep their names and state_dict keys. A layer stays high-precision when
     ``filter(module, fqn)`` returns False or the recipe cannot tile it; ``report(model)`` says
-    which and why. A weight shared with another module (tied embeddings) is converted without
+    which and why. ``filter="auto"`` also keeps a layer in bf16 where a roofline model of its
+    training step at ``tokens`` rows (batch x sequence per GPU), calibrated on the GPU
+    (``fp8func.nn._auto``), says FP8 would not be faster; the report gives both modelled times. A weight shared with another module (tied embeddings) is converted without
     the fp8 all-gather, since the other module needs the high-precision values.
 
     Logs one line on the ``fp8func`` logger (INFO):
@@ -52,18 +66,28 @@ def convert(
     recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
     if not isinstance(recipe, Recipe):
         raise TypeError(f"convert: recipe={recipe!r}; expected a Recipe or a name such as 'tensorwise'.")
+    if isinstance(filter, str) and filter != "auto":
+        raise ValueError(f"convert: filter={filter!r}; expected a callable (module, fqn) -> bool, 'auto' or None.")
+    profile = profile_for() if filter == "auto" else None
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     decisions = getattr(model, _DECISIONS, {})
     targets = [(fqn, m) for fqn, m in model.named_modules() if type(m) is nn.Linear]
     converted = 0
     for fqn, module in targets:
         reason = _why_not(module, fqn, recipe, filter)
-        decisions[fqn] = reason
+        note = ""
+        if not reason and profile is not None:
+            reason, note = _auto(module, recipe, tokens, profile)
+        decisions[fqn] = reason or note
         if reason:
             continue
-        gather = fsdp_fp8_all_gather and uses[id(module.weight)] == 1
-        if fsdp_fp8_all_gather and not gather:
-            decisions[fqn] = "converted; weight is shared with another module, so it is all-gathered in bf16"
+        gather = fsdp_fp8_all_gather and uses[id(module.weight)] == 1 and recipe.delayed is None
+        if fsdp_fp8_all_gather and recipe.delayed is not None:
+            delayed = "delayed scaling casts the gathered weight itself, so FSDP2 all-gathers it in bf16"
+            decisions[fqn] = f"{note}; {delayed}" if note else delayed
+        elif fsdp_fp8_all_gather and not gather:
+            shared = "weight is shared with another module, so it is all-gathered in bf16"
+            decisions[fqn] = f"{note}; {shared}" if note else shared
         new = Fp8Linear.from_linear(module, recipe, fsdp_fp8_all_gather=gather)
         if fqn:
             parent_name, _, child = fqn.rpartition(".")

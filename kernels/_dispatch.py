@@ -1,0 +1,190 @@
+"""Public entry points: validate, pick the Triton kernel or its twin, wrap the result.
+
+``impl="auto"`` runs the Triton kernel on CUDA tensors where Triton is installed and the
+pure-PyTorch twin otherwise; ``"triton"`` / ``"reference"`` force one. Both compute the same
+bits (tests/test_kernels.py), so the choice only changes speed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+from fp8func._qtensor import Fp8Meta, Fp8Tensor
+from fp8func._scaling import (
+    AxisWise,
+    BlockWise,
+    CastSpec,
+    Granularity,
+    TensorWise,
+    block_lengths,
+    scale_shape,
+)
+
+from . import _reference
+
+__all__ = ["IMPLS", "amax", "cast", "quantize", "triton_available"]
+
+IMPLS = ("auto", "triton", "reference")
+_HP_DTYPES = (torch.bfloat16, torch.float32)
+_BLOCKS = (BlockWise((1, 128)), BlockWise((128, 128)))
+_log = logging.getLogger("fp8func.kernels")
+
+
+@torch.compiler.assume_constant_result
+def triton_available() -> bool:
+    """True when the ``triton`` package is installed (no import, no hardware probe)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+_LOGGED = []
+
+
+def _log_fallback_once() -> None:
+    if not _LOGGED and not torch.compiler.is_compiling():
+        _LOGGED.append(True)
+        _log.warning("fp8func.kernels: triton is not installed; CUDA tensors run the PyTorch twins "
+                     "(same bits, slower). Install triton for the fused kernels.")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _backend(impl: str, x: torch.Tensor):
+    """The module (``_triton_quant`` or ``_reference``) that runs ``x`` for ``impl``."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}.")
+    if impl == "auto" and x.is_cuda and not triton_available():
+        _log_fallback_once()
+    if impl == "reference" or (impl == "auto" and not (x.is_cuda and triton_available())):
+        return _reference
+    if not triton_available():
+        raise RuntimeError("impl='triton' needs the triton package, which is not installed; "
+                           "install triton or pass impl='reference' (or 'auto').")
+    if not x.is_cuda and not _interpreting():
+        raise ValueError(f"impl='triton' needs a CUDA tensor, got device={x.device}; move it with "
+                         "x.cuda(), pass impl='reference', or set TRITON_INTERPRET=1 to debug on the CPU.")
+    from . import _triton_quant
+
+    return _triton_quant
+
+
+def _check_x(x: torch.Tensor, what: str) -> tuple[int, int]:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}.")
+    if x.ndim != 2 or x.dtype not in _HP_DTYPES or not x.is_contiguous():
+        raise ValueError(
+            f"{what}: x has shape {tuple(x.shape)}, dtype {x.dtype}, contiguous={x.is_contiguous()}; "
+            "the kernels take contiguous 2-D bf16 or fp32 tensors. Use x.reshape(-1, x.shape[-1]) "
+            "and x.contiguous(), or fp8func.quantize for other layouts."
+        )
+    return x.shape[0], x.shape[1]
+
+
+def _check_granularity(g: Granularity, what: str, *, amax: bool = False) -> None:
+    rowwise = isinstance(g, AxisWise) and g.axis in ((-2, -1, 0, 1) if amax else (-1, 1))
+    if not (isinstance(g, TensorWise) or rowwise or (not amax and g in _BLOCKS)):
+        supported = ("TensorWise(), AxisWise(-1), AxisWise(0)" if amax else
+                     "TensorWise(), AxisWise(-1), BlockWise((1, 128)), BlockWise((128, 128))")
+        raise ValueError(f"{what}: granularity {g!r} has no kernel; supported: {supported}. "
+                         "Use fp8func.quantize / fp8func.compute_amax for the others.")
+
+
+def _check_spec(x: torch.Tensor, spec: CastSpec, transpose: bool, what: str) -> None:
+    if not isinstance(spec, CastSpec):
+        raise TypeError(f"{what}: spec={spec!r} is not a CastSpec; e.g. fp8func.CastSpec(fp8func.E4M3).")
+    _check_granularity(spec.granularity, what)
+    block_lengths(spec.granularity, tuple(x.shape))  # raises if the blocks do not tile x
+    if transpose:
+        block_lengths(spec.granularity, tuple(x.shape[::-1]))  # ... or x.T
+
+
+def _check_scale(s: torch.Tensor, want: tuple[int, ...], x: torch.Tensor, name: str) -> None:
+    if not isinstance(s, torch.Tensor) or tuple(s.shape) != want or s.dtype != torch.float32 or s.device != x.device:
+        got = (tuple(s.shape), s.dtype, s.device) if isinstance(s, torch.Tensor) else type(s).__name__
+        raise ValueError(f"cast: {name} is {got}; expected float32 of shape {want} on {x.device}.")
+
+
+def amax(x: torch.Tensor, granularity: Granularity, *, impl: str = "auto") -> torch.Tensor:
+    """Per-group ``max(|x|)`` in fp32 shaped like the scale; NaN propagates into its group.
+
+    Args:
+        x: contiguous ``[M, K]``, bf16 or fp32.
+        granularity: ``TensorWise()`` -> ``(1, 1)``, ``AxisWise(-1)`` -> ``(M, 1)``,
+            ``AxisWise(0)`` -> ``(1, K)``.
+        impl: ``"auto"``, ``"triton"`` or ``"reference"``.
+
+    Example:
+        >>> import torch, fp8func as f8, fp8func.kernels as k
+        >>> k.amax(torch.tensor([[1.0, -3.0], [2.0, 0.5]]), f8.AxisWise(-1)).flatten().tolist()
+        [3.0, 2.0]
+    """
+    _check_x(x, "amax")
+    _check_granularity(granularity, "amax", amax=True)
+    return _backend(impl, x).amax(x, granularity)
+
+
+def cast(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    spec: CastSpec,
+    *,
+    transpose: bool = False,
+    scale_t: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``quantize_with_scale(x, scale, spec).data`` and, with ``transpose``, the transposed copy.
+
+    The transposed copy is contiguous ``[K, M]`` and equals
+    ``quantize_with_scale(x.T.contiguous(), scale_t, spec).data``; it is written from the same
+    tiles, in the same pass. ``scale_t`` defaults to ``scale`` (tensorwise) or ``scale.T``
+    (128x128 blocks); row-wise and 1x128 casts need the scales of ``x.T`` passed.
+
+    Example:
+        >>> import torch, fp8func as f8, fp8func.kernels as k
+        >>> x = torch.randn(4, 8)
+        >>> data, data_t = k.cast(x, torch.ones(1, 1), f8.CastSpec(), transpose=True)
+        >>> torch.equal(data_t.view(torch.uint8), data.t().contiguous().view(torch.uint8))
+        True
+    """
+    m, k = _check_x(x, "cast")
+    _check_spec(x, spec, transpose, "cast")
+    g = spec.granularity
+    _check_scale(scale, scale_shape(g, (m, k)), x, "scale")
+    if not transpose:
+        scale_t = None
+    elif scale_t is None:
+        if not (isinstance(g, TensorWise) or g == BlockWise((128, 128))):
+            raise ValueError(f"cast(transpose=True): {g!r} scales x.T by other groups than x; pass "
+                             f"scale_t of shape {scale_shape(g, (k, m))} (the scales of x.T).")
+        scale_t = scale if isinstance(g, TensorWise) else scale.t()
+    if scale_t is not None:
+        _check_scale(scale_t, scale_shape(g, (k, m)), x, "scale_t")
+    return _backend(impl, x).cast(x, scale, spec, scale_t)
+
+
+def quantize(
+    x: torch.Tensor, spec: CastSpec, *, transpose: bool = False, impl: str = "auto"
+) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+    """``fp8func.quantize(x, spec)`` and, with ``transpose``, ``fp8func.quantize(x.T.contiguous(), spec)``.
+
+    Fused where a scale group fits one program (row-wise, 1x128 and 128x128 blocks, with their
+    transposes for the blocks): one read of ``x``. Tensorwise and row-wise-with-transpose read
+    ``x`` twice (an amax pass, then one pass that writes both copies).
+
+    Example:
+        >>> import torch, fp8func as f8, fp8func.kernels as k
+        >>> spec = f8.CastSpec(f8.E4M3, f8.AxisWise(-1), power_of_2=True)
+        >>> q, q_t = k.quantize(torch.randn(32, 64), spec, transpose=True)
+        >>> q.scale.shape, q_t.scale.shape
+        (torch.Size([32, 1]), torch.Size([64, 1]))
+    """
+    _check_x(x, "quantize")
+    _check_spec(x, spec, transpose, "quantize")
+    data, scale, data_t, scale_t = _backend(impl, x).quantize(x, spec, transpose)
+    meta = Fp8Meta(spec, x.dtype)
+    return Fp8Tensor(data, scale, meta), (Fp8Tensor(data_t, scale_t, meta) if transpose else None)

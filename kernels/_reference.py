@@ -1,0 +1,47 @@
+"""Pure-PyTorch twins of the Triton kernels: the same signatures, obviously right.
+
+Each one is a call into ``fp8func``'s own quantization (``compute_amax``, ``quantize``,
+``quantize_with_scale``); the Triton kernels in ``_triton_quant`` must match them bitwise.
+Inputs are validated by the dispatcher (``fp8func.kernels``) before either is called.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8func._ops import quantize as _quantize
+from fp8func._ops import quantize_with_scale as _quantize_with_scale
+from fp8func._scaling import CastSpec, Granularity, compute_amax
+
+__all__ = ["amax", "cast", "quantize"]
+
+
+def amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """Per-group ``max(|x|)`` in fp32, shaped like the scale; a NaN group gives 0x7FC00000.
+
+    The payload of a NaN that torch's reductions return is unspecified (CUDA gives 0x7FFFFFFF for
+    fp32 inputs, 0x7FC00000 for bf16), so both implementations return the standard quiet NaN.
+    """
+    a = compute_amax(x, granularity)
+    return torch.where(a.isnan(), 0x7FC00000, a.view(torch.int32)).view(torch.float32)
+
+
+def cast(
+    x: torch.Tensor, scale: torch.Tensor, spec: CastSpec, scale_t: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` cast with ``scale``; with ``scale_t`` also ``x.T`` (contiguous ``[K, M]``) cast with it."""
+    data = _quantize_with_scale(x, scale, spec).data
+    if scale_t is None:
+        return data, None
+    return data, _quantize_with_scale(x.t().contiguous(), scale_t, spec).data
+
+
+def quantize(
+    x: torch.Tensor, spec: CastSpec, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(data, scale, data_t, scale_t)`` of ``quantize(x)`` and, if asked, ``quantize(x.T.contiguous())``."""
+    q = _quantize(x, spec)
+    if not transpose:
+        return q.data, q.scale, None, None
+    q_t = _quantize(x.t().contiguous(), spec)
+    return q.data, q.scale, q_t.data, q_t.scale

@@ -1,0 +1,138 @@
+"""Launch-config sweep of the Triton quantization kernels (GPU only; not part of the package API).
+
+``python -m fp8func.kernels._sweep [--json PATH]``: for each route of ``_triton_quant.CONFIGS``
+tries the candidates below on bf16 inputs, checks each one bitwise against the twin, times it
+(median of CUDA-graph replays over inputs that span more than the L2) and prints the winner.
+The winners are hard-coded in ``CONFIGS``; docs/kernels.md records what was tried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+import fp8func as f8
+from fp8func.bench._quant import _graph_ms, copy_gbps, min_bytes
+
+from . import _dispatch
+from ._triton_quant import CONFIGS, Config
+
+C = Config
+TW = f8.CastSpec(f8.E4M3)
+ROW = f8.CastSpec(f8.E4M3, f8.AxisWise(-1), True)
+B1 = f8.CastSpec(f8.E4M3, f8.BlockWise((1, 128)))
+B128 = f8.CastSpec(f8.E4M3, f8.BlockWise((128, 128)))
+TILES = [(32, 256, 8), (16, 512, 8), (64, 256, 8), (8, 1024, 8), (32, 128, 4), (64, 128, 8)]
+TILES_T = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 64, 8), (128, 128, 4), (64, 256, 8)]
+CANDIDATES: dict[str, list[Config]] = {
+    "amax_flat": [C(1, bk, w, st, programs=p) for bk, w in [(4096, 4), (8192, 8), (16384, 16)]
+                  for p in (528, 1056, 2112) for st in (1, 3)],
+    "amax_2d": [C(bm, bk, w, 3, m_chunk=mc) for bm, bk, w in [(32, 256, 8), (64, 128, 8), (16, 512, 8), (32, 128, 4),
+                                                               (64, 256, 8)] for mc in (256, 1024)],
+    "cast": [C(bm, bk, w) for bm, bk, w in TILES],
+    "cast_t": [C(bm, bk, w) for bm, bk, w in TILES_T],
+    "cast_block": [C(bm, 128, w) for bm in (16, 32, 64) for w in (4, 8)],
+    "cast_block_t": [C(bm, bk, w) for bm, bk, w in [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 128, 8),
+                                                    (128, 64, 4), (64, 64, 4)]],
+    "rowwise": [C(bm, 0, w) for bm in (4096, 8192, 16384) for w in (4, 8, 16)],
+    "block_1x128": [C(bm, 128, w) for bm in (16, 32, 64) for w in (4, 8)],
+    "block_1x128_t": [C(128, 128, w) for w in (4, 8, 16)],
+    "block_128": [C(128, 128, w) for w in (4, 8, 16)],
+    "block_128_t": [C(128, 128, w) for w in (4, 8, 16)],
+}
+# route: (spec, op, transpose); "amax_2d" is timed inside rowwise+T (its only fused user).
+ROUTES = {
+    "amax_flat": (TW, "amax", False), "amax_2d": (ROW, "quantize", True), "cast": (TW, "cast", False),
+    "cast_t": (TW, "cast", True), "cast_block": (B1, "cast", False), "cast_block_t": (B1, "cast", True),
+    "rowwise": (ROW, "quantize", False), "block_1x128": (B1, "quantize", False),
+    "block_1x128_t": (B1, "quantize", True), "block_128": (B128, "quantize", False),
+    "block_128_t": (B128, "quantize", True),
+}
+SHAPES = {"rowwise": [(16384, 4096), (16384, 14336)]}
+DEFAULT_SHAPES = [(16384, 4096)]
+
+
+def _call(spec, op, transpose, impl):
+    def fn(x, s, s_t):
+        if op == "amax":
+            return _dispatch.amax(x, spec.granularity, impl=impl)
+        if op == "cast":
+            return _dispatch.cast(x, s, spec, transpose=transpose, scale_t=s_t, impl=impl)
+        return _dispatch.quantize(x, spec, transpose=transpose, impl=impl)
+    return fn
+
+
+def _same(a, b) -> bool:
+    flat = lambda o: [t for t in (o if isinstance(o, tuple) else (o,)) if t is not None]  # noqa: E731
+    ta = [t for q in flat(a) for t in ((q.data, q.scale) if isinstance(q, f8.Fp8Tensor) else (q,))]
+    tb = [t for q in flat(b) for t in ((q.data, q.scale) if isinstance(q, f8.Fp8Tensor) else (q,))]
+    return all(torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+               for x, y in zip(ta, tb)) and len(ta) == len(tb)
+
+
+def _row(r: dict) -> str:
+    c = r["config"]
+    return (f"| {r['route']} | {r['shape'][0]}x{r['shape'][1]} | bm={c['bm']} bk={c['bk']} w={c['warps']} "
+            f"st={c['stages']} p={c['programs']} mc={c['m_chunk']} | {r['bitwise']} | {r['ms']:.4f} | "
+            f"{r['gbps']:.0f} |")
+
+
+def sweep(iters: int = 30) -> list[dict]:
+    rows = []
+    saved = dict(CONFIGS)
+    for route, cands in CANDIDATES.items():
+        spec, op, transpose = ROUTES[route]
+        for shape in SHAPES.get(route, DEFAULT_SHAPES):
+            xs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            xs[0][5, 7] = 3e4  # an outlier, so groups differ
+            args = []
+            for x in xs:
+                q, q_t = _dispatch.quantize(x, spec, transpose=transpose, impl="reference")
+                args.append((x, q.scale / 3, None if q_t is None else q_t.scale / 3))
+            want = _call(spec, op, transpose, "reference")(*args[0])
+            nbytes = min_bytes(spec, op, transpose, shape, 2)
+            for cfg in cands:
+                CONFIGS[route] = cfg
+                fn = _call(spec, op, transpose, "triton")
+                try:
+                    ok = _same(fn(*args[0]), want)
+                    ms = _graph_ms(fn, args, iters) if ok else float("nan")
+                except Exception as e:  # a config the compiler rejects (e.g. out of resources)
+                    ok, ms = False, float("nan")
+                    print(f"{route} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                rows.append({"route": route, "shape": shape, "config": dataclasses.asdict(cfg), "bitwise": ok,
+                             "ms": ms, "gbps": nbytes / ms / 1e6})
+                print(_row(rows[-1]), flush=True)
+            CONFIGS[route] = saved[route]
+            del xs, args
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fp8func.kernels._sweep", description=__doc__)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    copy = copy_gbps(args.iters)
+    print(f"copy {copy:.0f} GB/s\n| route | shape | config | bitwise | ms | GB/s |\n|---|---|---|---|---|---|")
+    rows = sweep(args.iters)
+    print(f"copy {copy:.0f} GB/s")
+    print("winners (sum of ms over shapes):")
+    for route in CANDIDATES:
+        per = {}
+        for r in rows:
+            if r["route"] == route and r["bitwise"]:
+                key = json.dumps(r["config"])
+                per[key] = per.get(key, 0.0) + r["ms"]
+        best = min(per, key=per.get) if per else None
+        print(f"  {route}: {best} ({per.get(best, float('nan')):.4f} ms)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

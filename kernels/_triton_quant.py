@@ -1,0 +1,412 @@
+"""Triton kernels for amax, cast (+ transpose) and fused quantize; twins in ``_reference``.
+
+Imported lazily by the dispatcher, only where Triton is installed. Four kernels:
+
+- ``_amax_flat_kernel``: tensorwise amax, a grid-stride loop and one atomic max per program.
+- ``_amax_2d_kernel``: row and/or column amax of ``[M, K]`` (atomic max per row / column).
+- ``_cast_kernel``: cast with given scales (or scales made from amax in the same program),
+  optionally also writing the transposed copy from the same tile.
+- ``_quant_kernel``: one pass where a scale group fits in one program: whole rows
+  (AxisWise(-1)), 1x128 blocks (and their 128x1 transposed blocks), 128x128 blocks.
+
+Numerics mirror ``fp8func.quantize`` exactly (see ``fp8func/_scaling.py``): amax is a max over
+the int32 bit patterns of ``|x|`` (monotonic for non-negative floats, NaN above inf, exact and
+associative, so atomics are safe); ``scale = max(amax, EPS) * (1/fp8_max)`` with NaN
+propagated; the power-of-two round-up by the same bit trick; ``1/scale`` as a correctly rounded
+fp32 division (what the twin's fp64 quotient rounds to); ``clamp(x * recip, ±max)`` cast to fp8
+with round-to-nearest-even.
+Each public function is a ``torch.library.triton_op``, so ``torch.compile`` traces into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from fp8func._formats import fp8_max
+from fp8func._scaling import EPS, AxisWise, CastSpec, Granularity, TensorWise
+
+__all__ = ["Config", "CONFIGS", "amax", "cast", "quantize"]
+
+MAX_ROW_K = 16384  # widest row the one-pass row-wise kernel keeps in registers
+EPS_F32 = tl.constexpr(EPS)  # rounded to fp32 where used, as torch's clamp(min=EPS) does
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch parameters of one kernel route (chosen by the sweep in ``_sweep.py``).
+
+    ``bm, bk``: tile rows and columns (row-wise one pass: ``bm`` is the target elements per
+    program and ``bk`` is the padded row). ``programs``: grid cap of the flat amax.
+    ``m_chunk``: rows per program of the 2-D amax.
+    """
+
+    bm: int
+    bk: int
+    warps: int
+    stages: int = 1
+    programs: int = 0
+    m_chunk: int = 0
+
+
+CONFIGS: dict[str, Config] = {  # winners of the sweep on an H200 (docs/kernels.md)
+    "amax_flat": Config(bm=1, bk=4096, warps=4, stages=1, programs=1056),
+    "amax_2d": Config(bm=64, bk=256, warps=8, stages=3, m_chunk=256),
+    "cast": Config(bm=8, bk=1024, warps=8),
+    "cast_t": Config(bm=64, bk=256, warps=8),
+    "cast_block": Config(bm=16, bk=128, warps=4),
+    "cast_block_t": Config(bm=64, bk=128, warps=4),
+    "rowwise": Config(bm=4096, bk=0, warps=4),
+    "block_1x128": Config(bm=16, bk=128, warps=4),
+    "block_1x128_t": Config(bm=128, bk=128, warps=4),
+    "block_128": Config(bm=128, bk=128, warps=16),
+    "block_128_t": Config(bm=128, bk=128, warps=4),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers: the scalar math of fp8func._scaling, element for element.
+
+
+@triton.jit
+def _abs_bits(x):
+    """``|x|`` as int32 bits: ordered like the floats, NaN above inf."""
+    return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _amax_bits(x):
+    """``_abs_bits`` with every NaN as the standard quiet NaN 0x7FC00000 (see ``_reference.amax``)."""
+    bits = _abs_bits(x)
+    return tl.where(bits > 0x7F800000, 0x7FC00000, bits)
+
+
+@triton.jit
+def _scale_of(amax, INV_MAX: tl.constexpr, POW2: tl.constexpr):
+    """``max(amax, EPS) * (1/fp8_max)``, NaN propagated; rounded up to 2**k if ``POW2``."""
+    s = tl.maximum(amax, EPS_F32, propagate_nan=tl.PropagateNan.ALL) * INV_MAX
+    if POW2:
+        bits = s.to(tl.int32, bitcast=True)
+        up = ((bits + 0x7FFFFF) & -0x800000).to(tl.float32, bitcast=True)
+        s = tl.where((bits & 0x7F800000) != 0x7F800000, up, s)  # non-finite passes through
+    return s
+
+
+@triton.jit
+def _recip(scale):
+    """The correctly rounded fp32 ``1 / scale`` (IEEE ``div.rn``; Triton's ``/`` is approximate).
+
+    Equal to ``_ops._reciprocal``'s fp64 quotient rounded to fp32: double rounding is harmless
+    for a quotient when 53 >= 2 * 24 + 2.
+    """
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _saturate(x, recip, FP8_MAX: tl.constexpr):
+    """``clamp(x * recip, ±max)`` in fp32, NaN kept; the caller's ``.to(fp8)`` rounds to nearest even."""
+    return tl.clamp(x * recip, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels.
+
+
+@triton.jit
+def _amax_flat_kernel(x_ptr, out_ptr, N, STEP, BLOCK: tl.constexpr):
+    # Grid-stride loop (STEP = programs * BLOCK): one atomic per program, not per block.
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(tl.program_id(0) * BLOCK, N, STEP):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < N, other=0.0)
+        acc = tl.maximum(acc, _amax_bits(x))
+    tl.atomic_max(out_ptr.to(tl.pointer_type(tl.int32)), tl.max(acc, 0), sem="relaxed")
+
+
+@triton.jit
+def _amax_2d_kernel(x_ptr, rows_ptr, cols_ptr, M, K, M_CHUNK: tl.constexpr,
+                    ROWS: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    pid_k = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    cols = pid_k * BK + tl.arange(0, BK)
+    cmask = cols < K
+    cacc = tl.zeros([BK], dtype=tl.int32)
+    for m0 in range(pid_m * M_CHUNK, pid_m * M_CHUNK + M_CHUNK, BM):
+        rows = m0 + tl.arange(0, BM)
+        rmask = rows < M
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
+                    mask=rmask[:, None] & cmask[None, :], other=0.0)
+        bits = _amax_bits(x)
+        if ROWS:
+            tl.atomic_max(rows_ptr.to(tl.pointer_type(tl.int32)) + rows, tl.max(bits, 1),
+                          mask=rmask, sem="relaxed")
+        if COLS:
+            cacc = tl.maximum(cacc, tl.max(bits, 0))
+    if COLS:
+        tl.atomic_max(cols_ptr.to(tl.pointer_type(tl.int32)) + cols, cacc, mask=cmask, sem="relaxed")
+
+
+@triton.jit
+def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out_ptr,
+                 M, K, sa0, sa1, sb0, sb1,
+                 A_M: tl.constexpr, A_K: tl.constexpr, B_K: tl.constexpr, B_M: tl.constexpr,
+                 FROM_AMAX: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+                 POW2: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    # data[m, k] uses sa[(m // A_M) * sa0 + (k // A_K) * sa1], one value per tile row (the
+    # launcher keeps a tile inside one K group); data_t[k, m] uses sb[(k // B_K) * sb0 +
+    # (m // B_M) * sb1], one value per tile column. Whole-dimension groups have stride 0.
+    # FROM_AMAX: sa / sb hold amax; the first program along the other axis writes the scales.
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    rmask = rows < M
+    cmask = cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    a_idx = (rows // A_M) * sa0 + (pid_k * BK // A_K) * sa1
+    sa = tl.load(sa_ptr + a_idx, mask=rmask, other=1.0)
+    if FROM_AMAX:
+        sa = _scale_of(sa, INV_MAX, POW2)
+        if pid_k == 0:
+            tl.store(sa_out_ptr + a_idx, sa, mask=rmask)
+    y = _saturate(x, _recip(sa)[:, None], FP8_MAX).to(data_ptr.dtype.element_ty)
+    tl.store(data_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
+    if TRANSPOSE:
+        b_idx = (cols // B_K) * sb0 + (pid_m * BM // B_M) * sb1
+        sb = tl.load(sb_ptr + b_idx, mask=cmask, other=1.0)
+        if FROM_AMAX:
+            sb = _scale_of(sb, INV_MAX, POW2)
+            if pid_m == 0:
+                tl.store(sb_out_ptr + b_idx, sb, mask=cmask)
+        y_t = _saturate(x, _recip(sb)[None, :], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(y_t),
+                 mask=cmask[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _quant_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s0, s1, t0, t1,
+                  TILE_GROUP: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+                  POW2: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    # TILE_GROUP: the tile is one group (128x128): scale[pid_m, pid_k] (and scale_t[pid_k, pid_m]).
+    # Else each tile row is one group (a whole row, or 1x128): scale[m, pid_k]; with TRANSPOSE
+    # (BM == 128) each tile column is one group of x.T too: scale_t[k, pid_m].
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    rmask = rows < M
+    cmask = cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    bits = _abs_bits(x)
+    # 128x128 takes the row-group code with every row's (and column's) amax raised to the tile's:
+    # a scale computed as a scalar and broadcast made Triton 3.6 miscompile the transposed fp8
+    # store for fp32 inputs (3/8 of the bytes wrong on an H200); this form is the tested 1x128 one.
+    row_bits = tl.max(bits, 1)
+    if TILE_GROUP:
+        tile_bits = tl.max(row_bits, 0)
+        row_bits = tl.maximum(row_bits, tile_bits)
+    s = _scale_of(row_bits.to(tl.float32, bitcast=True), INV_MAX, POW2)
+    if TILE_GROUP:  # all rows hold the tile's scale: the first row writes it
+        tl.store(scale_ptr + pid_m * s0 + pid_k * s1 + rows * 0, s, mask=rows == pid_m * BM)
+    else:
+        tl.store(scale_ptr + rows * s0 + pid_k * s1, s, mask=rmask)
+    y = _saturate(x, _recip(s)[:, None], FP8_MAX).to(data_ptr.dtype.element_ty)
+    tl.store(data_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
+    if TRANSPOSE:
+        col_bits = tl.max(bits, 0)
+        if TILE_GROUP:
+            col_bits = tl.maximum(col_bits, tile_bits)
+        st = _scale_of(col_bits.to(tl.float32, bitcast=True), INV_MAX, POW2)
+        if TILE_GROUP:
+            tl.store(scale_t_ptr + pid_k * t0 + pid_m * t1 + cols * 0, st, mask=cols == pid_k * BK)
+        else:
+            tl.store(scale_t_ptr + cols * t0 + pid_m * t1, st, mask=cmask)
+        y_t = _saturate(x, _recip(st)[None, :], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(y_t),
+                 mask=cmask[:, None] & rmask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers: plain functions (the sweep calls them with other configs), kernels via wrap_triton.
+
+
+def _consts(dtype: torch.dtype, pow2: bool) -> dict:
+    return {"INV_MAX": 1.0 / fp8_max(dtype), "FP8_MAX": fp8_max(dtype), "POW2": pow2}
+
+
+def launch_amax_flat(x: torch.Tensor, out: torch.Tensor, cfg: Config) -> None:
+    """``out`` (fp32, zero) <- max |x| over all elements."""
+    n = x.numel()
+    if n:
+        programs = max(1, min(triton.cdiv(n, cfg.bk), cfg.programs))
+        wrap_triton(_amax_flat_kernel)[(programs,)](x, out, n, programs * cfg.bk, BLOCK=cfg.bk, num_warps=cfg.warps,
+                                             num_stages=cfg.stages)
+
+
+def launch_amax_2d(x: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tensor | None, cfg: Config) -> None:
+    """``rows`` [M] / ``cols`` [K] (fp32, zero) <- row / column max |x|."""
+    m, k = x.shape
+    if x.numel():
+        chunk = max(cfg.bm, cfg.m_chunk // cfg.bm * cfg.bm)
+        grid = (triton.cdiv(k, cfg.bk), triton.cdiv(m, chunk))
+        dummy = rows if rows is not None else cols
+        wrap_triton(_amax_2d_kernel)[grid](
+            x, dummy if rows is None else rows, dummy if cols is None else cols, m, k,
+            M_CHUNK=chunk, ROWS=rows is not None, COLS=cols is not None, BM=cfg.bm, BK=cfg.bk,
+            num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def _group_strides(scale: torch.Tensor, g0: int, g1: int) -> tuple[int, int, int, int]:
+    """(group0, stride0, group1, stride1) for indexing ``scale``; group 0 = whole dim (stride 0)."""
+    return (g0 or 1, scale.stride(0) if g0 else 0, g1 or 1, scale.stride(1) if g1 else 0)
+
+
+def launch_cast(x: torch.Tensor, data: torch.Tensor, sa: torch.Tensor, data_t: torch.Tensor | None,
+                sb: torch.Tensor | None, groups: tuple[int, int], pow2: bool, cfg: Config,
+                sa_out: torch.Tensor | None = None, sb_out: torch.Tensor | None = None) -> None:
+    """Cast ``x`` with scales ``sa`` (and ``x.T`` with ``sb``); from amax if ``sa_out`` is given.
+
+    ``groups``: the spec's group lengths along (M, K), 0 for a whole dimension.
+    """
+    m, k = x.shape
+    if not x.numel():
+        return
+    gm, gk = groups
+    a_m, sa0, a_k, sa1 = _group_strides(sa, gm, gk)
+    transpose = data_t is not None
+    b_k, sb0, b_m, sb1 = _group_strides(sb, gm, gk) if transpose else (1, 0, 1, 0)
+    if (gk and gk % cfg.bk) or (transpose and gk and gk % cfg.bm):
+        raise ValueError(f"launch_cast: tile {cfg.bm}x{cfg.bk} straddles a group of {groups}; "
+                         "use tiles that divide the group.")
+    from_amax = sa_out is not None
+    grid = (triton.cdiv(m, cfg.bm), triton.cdiv(k, cfg.bk))
+    wrap_triton(_cast_kernel)[grid](
+        x, data, sa, sa_out if from_amax else sa, data_t if transpose else data,
+        sb if transpose else sa, sb_out if (from_amax and transpose) else sa,
+        m, k, sa0, sa1, sb0, sb1, A_M=a_m, A_K=a_k, B_K=b_k, B_M=b_m, FROM_AMAX=from_amax,
+        **_consts(data.dtype, pow2), TRANSPOSE=transpose, BM=cfg.bm, BK=cfg.bk,
+        num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def launch_quant(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor | None,
+                 scale_t: torch.Tensor | None, tile_group: bool, pow2: bool, bm: int, bk: int,
+                 cfg: Config) -> None:
+    """One-pass amax + cast with ``bm x bk`` tiles, each tile row (or the tile) one group."""
+    m, k = x.shape
+    if not x.numel():
+        return
+    transpose = data_t is not None
+    grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
+    t = scale_t if transpose else scale
+    wrap_triton(_quant_kernel)[grid](
+        x, data, scale, data_t if transpose else data, t, m, k,
+        scale.stride(0), scale.stride(1), t.stride(0), t.stride(1), TILE_GROUP=tile_group,
+        **_consts(data.dtype, pow2), TRANSPOSE=transpose, BM=bm, BK=bk,
+        num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def rowwise_tile(k: int, cfg: Config) -> tuple[int, int]:
+    """(rows per program, padded row) of the one-pass row-wise kernel for rows of ``k``."""
+    bk = triton.next_power_of_2(k)
+    return max(1, cfg.bm // bk), bk
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops (torch.compile traces into them) and the twin-compatible entry points.
+
+
+def _groups(g: Granularity) -> tuple[int, int]:
+    """A granularity on ``[M, K]`` as group lengths along (M, K), 0 for a whole dimension."""
+    if isinstance(g, TensorWise):
+        return 0, 0
+    if isinstance(g, AxisWise):
+        return (1, 0) if g.axis in (-1, 1) else (0, 1)
+    return g.block[0], g.block[1]
+
+
+@triton_op("fp8func::kernels_amax", mutates_args=())
+def _amax_op(x: torch.Tensor, gm: int, gk: int) -> torch.Tensor:
+    m, k = x.shape
+    out = torch.zeros((m if gm else 1, k if gk else 1), device=x.device, dtype=torch.float32)
+    if not gm and not gk:
+        launch_amax_flat(x, out, CONFIGS["amax_flat"])
+    else:
+        launch_amax_2d(x, out if gm else None, out if gk else None, CONFIGS["amax_2d"])
+    return out
+
+
+@triton_op("fp8func::kernels_cast", mutates_args=())
+def _cast_op(x: torch.Tensor, scale: torch.Tensor, scale_t: torch.Tensor | None, dtype: torch.dtype,
+             gm: int, gk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    data = torch.empty((m, k), device=x.device, dtype=dtype)
+    data_t = torch.empty((k, m) if scale_t is not None else (0, 0), device=x.device, dtype=dtype)
+    name = ("cast_block" if gk else "cast") + ("_t" if scale_t is not None else "")
+    launch_cast(x, data, scale, data_t if scale_t is not None else None, scale_t, (gm, gk), False,
+                CONFIGS[name])
+    return data, data_t
+
+
+@triton_op("fp8func::kernels_quantize", mutates_args=())
+def _quantize_op(x: torch.Tensor, dtype: torch.dtype, pow2: bool, gm: int, gk: int,
+                 transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    dev = x.device
+    data = torch.empty((m, k), device=dev, dtype=dtype)
+    scale = torch.empty((m // gm if gm else 1, k // gk if gk else 1), device=dev, dtype=torch.float32)
+    data_t = torch.empty((k, m) if transpose else (0, 0), device=dev, dtype=dtype)
+    # Groups (gm, gk) of [M, K] applied to x.T [K, M]: gm along K, gk along M.
+    scale_t = torch.empty((k // gm if gm else 1, m // gk if gk else 1) if transpose else (0, 0),
+                          device=dev, dtype=torch.float32)
+    dt, st = (data_t, scale_t) if transpose else (None, None)
+    if gm == 0 and gk == 0:  # tensorwise: amax pass, then the cast makes the scale from it
+        amax = torch.zeros((1,), device=dev, dtype=torch.float32)
+        launch_amax_flat(x, amax, CONFIGS["amax_flat"])
+        launch_cast(x, data, amax, dt, amax if transpose else None, (0, 0), pow2,
+                    CONFIGS["cast_t" if transpose else "cast"], sa_out=scale, sb_out=st)
+    elif gk == 0 and (transpose or k > MAX_ROW_K):  # row-wise needing a second read of x
+        amax = torch.zeros((m,), device=dev, dtype=torch.float32)
+        amax_t = torch.zeros((k,), device=dev, dtype=torch.float32) if transpose else None
+        launch_amax_2d(x, amax, amax_t, CONFIGS["amax_2d"])
+        launch_cast(x, data, amax, dt, amax_t, (1, 0), pow2,
+                    CONFIGS["cast_t" if transpose else "cast"], sa_out=scale, sb_out=st)
+    elif gk == 0:  # row-wise, one pass
+        cfg = CONFIGS["rowwise"]
+        launch_quant(x, data, scale, None, None, False, pow2, *rowwise_tile(k, cfg), cfg)
+    else:  # 1x128 or 128x128 blocks, one pass
+        name = ("block_128" if gm == gk else "block_1x128") + ("_t" if transpose else "")
+        cfg = CONFIGS[name]
+        bm = gk if (transpose or gm == gk) else cfg.bm
+        launch_quant(x, data, scale, dt, st, gm == gk, pow2, bm, gk, cfg)
+    return data, scale, data_t, scale_t
+
+
+def amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """Per-group ``max(|x|)`` in fp32, shaped like the scale (TensorWise or AxisWise); NaN is 0x7FC00000."""
+    return _amax_op(x, *_groups(granularity))
+
+
+def cast(
+    x: torch.Tensor, scale: torch.Tensor, spec: CastSpec, scale_t: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` cast with ``scale``; with ``scale_t`` also ``x.T`` (contiguous ``[K, M]``) cast with it."""
+    data, data_t = _cast_op(x, scale, scale_t, spec.dtype, *_groups(spec.granularity))
+    return data, (data_t if scale_t is not None else None)
+
+
+def quantize(
+    x: torch.Tensor, spec: CastSpec, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(data, scale, data_t, scale_t)`` of ``quantize(x)`` and, if asked, ``quantize(x.T.contiguous())``."""
+    data, scale, data_t, scale_t = _quantize_op(x, spec.dtype, spec.pow2_scales, *_groups(spec.granularity),
+                                                transpose)
+    return (data, scale, data_t, scale_t) if transpose else (data, scale, None, None)
+

@@ -1,0 +1,320 @@
+"""fp8func.kernels: the twins against an independent oracle (CPU), the Triton kernels against
+their twins bitwise (GPU, eager and compiled).
+
+The oracle below is written from the scale convention alone (reshape into groups, frexp for
+the power-of-two round-up), not from fp8func's helpers, so a wrong twin fails here.
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fp8func as f8
+import fp8func.kernels as fk
+from fp8func.kernels import _dispatch, _reference
+
+from .strategies import tensors
+
+ROW, B1, B128 = f8.AxisWise(-1), f8.BlockWise((1, 128)), f8.BlockWise((128, 128))
+GRANULARITIES = [f8.TensorWise(), ROW, B1, B128]
+FP8 = [f8.E4M3, f8.E5M2]
+
+
+def _blocks(g, shape):
+    """Group lengths along (rows, cols) of a 2-D ``shape``."""
+    m, k = shape
+    if isinstance(g, f8.TensorWise):
+        return m, k
+    if isinstance(g, f8.AxisWise):
+        return (1, k) if g.axis in (-1, 1) else (m, 1)
+    return g.block
+
+
+def oracle(x, spec, scale=None):
+    """(data, scale) of the cast, from the definition: groups by reshape, pow2 by frexp."""
+    m, k = x.shape
+    bm, bk = _blocks(spec.granularity, (m, k))
+    g = x.float().reshape(m // bm, bm, k // bk, bk)
+    fmax = torch.finfo(spec.dtype).max
+    if scale is None:
+        amax = g.abs().amax(dim=(1, 3))  # NaN propagates
+        scale = amax.clamp(min=1e-12) * torch.tensor(1.0 / fmax)
+        if spec.power_of_2:
+            mant, exp = torch.frexp(scale)  # scale = mant * 2**exp, mant in [0.5, 1)
+            pow2 = torch.where(mant == 0.5, scale, torch.ldexp(torch.ones_like(scale), exp))
+            scale = torch.where(torch.isfinite(scale), pow2, scale)
+    recip = (1.0 / scale.double()).float()
+    data = (g * recip[:, None, :, None]).clamp(-fmax, fmax).reshape(m, k).to(spec.dtype)
+    return data, scale
+
+
+def bits(t):
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+
+
+def assert_bitwise(got, want, what):
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
+    diff = bits(got) != bits(want)
+    if diff.any():
+        i = tuple(diff.nonzero()[0].tolist())
+        raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} differ; first at {i}: "
+                             f"got {got[i].item()} ({bits(got)[i].item():#x}), "
+                             f"want {want[i].item()} ({bits(want)[i].item():#x})")
+
+
+def assert_same_q(q, data, scale, what):
+    assert_bitwise(q.data, data, what + ".data")
+    assert_bitwise(q.scale, scale, what + ".scale")
+
+
+def shapes_for(g):
+    if g == B128:
+        return st.tuples(st.integers(1, 2), st.integers(1, 3)).map(lambda s: (128 * s[0], 128 * s[1]))
+    if g == B1:
+        return st.tuples(st.sampled_from([1, 37, 128, 256]), st.integers(1, 3).map(lambda j: 128 * j))
+    return st.tuples(st.integers(1, 70), st.integers(1, 70))
+
+
+cases = st.sampled_from(GRANULARITIES).flatmap(
+    lambda g: st.tuples(st.just(g), tensors(shapes_for(g), specials=True), st.sampled_from(FP8), st.booleans()))
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: the twins (and the dispatcher around them) against the oracle.
+
+
+@given(case=cases, transpose=st.booleans())
+def test_quantize_twin_matches_oracle(case, transpose):
+    g, x, dtype, p2 = case
+    spec = f8.CastSpec(dtype, g, p2)
+    transpose = transpose and (g != B1 or x.shape[0] % 128 == 0)
+    q, q_t = fk.quantize(x, spec, transpose=transpose)  # auto on the CPU: the twin
+    assert q.meta == f8.Fp8Meta(spec, x.dtype)
+    assert_same_q(q, *oracle(x, spec), "q")
+    if transpose:
+        assert q_t.meta == q.meta and q_t.shape == (x.shape[1], x.shape[0])
+        assert_same_q(q_t, *oracle(x.t().contiguous(), spec), "q_t")
+    else:
+        assert q_t is None
+
+
+@given(case=cases, shift=st.integers(-3, 8))
+def test_cast_twin_matches_oracle(case, shift):
+    g, x, dtype, p2 = case
+    spec = f8.CastSpec(dtype, g, p2)
+    # Scales 2**shift times too small saturate; the others leave headroom.
+    _, scale = oracle(x, spec)
+    scale = scale * 2.0**-shift
+    transpose = g != B1 or x.shape[0] % 128 == 0
+    scale_t = oracle(x.t().contiguous(), spec)[1] * 2.0**-shift if transpose else None
+    data, data_t = fk.cast(x, scale, spec, transpose=transpose, scale_t=scale_t)
+    assert_bitwise(data, oracle(x, spec, scale)[0], "data")
+    if transpose:
+        assert_bitwise(data_t, oracle(x.t().contiguous(), spec, scale_t)[0], "data_t")
+
+
+@pytest.mark.parametrize("g", [f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(0), f8.AxisWise(1)], ids=repr)
+def test_amax_twin(g):
+    x = torch.randn(33, 65)
+    x[4, 7] = float("nan")
+    x[9, 3] = -float("inf")
+    want = {f8.TensorWise(): x.abs().amax().reshape(1, 1), f8.AxisWise(0): x.abs().amax(0, keepdim=True)}.get(
+        g, x.abs().amax(1, keepdim=True))
+    got = fk.amax(x, g)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert (bits(got)[got.isnan()] == 0x7FC00000).all() and got.isnan().any()  # the standard quiet NaN
+
+
+@pytest.mark.parametrize("g", GRANULARITIES, ids=repr)
+@pytest.mark.parametrize("bad", ["nan", "inf", "zeros"])
+def test_twin_edge_values(g, bad):
+    x = torch.randn(256, 256)
+    if bad == "zeros":
+        x.zero_()
+    else:
+        x[130, 5] = float("nan") if bad == "nan" else float("inf")
+    spec = f8.CastSpec(f8.E4M3, g, True)
+    q, q_t = fk.quantize(x, spec, transpose=True)
+    assert_same_q(q, *oracle(x, spec), "q")
+    assert_same_q(q_t, *oracle(x.t().contiguous(), spec), "q_t")
+    if bad == "zeros":
+        assert (q.data.float() == 0).all() and torch.isfinite(q.scale).all()
+    else:  # exactly the group holding (130, 5) has a non-finite scale
+        where = {f8.TensorWise(): (0, 0), ROW: (130, 0), B1: (130, 0), B128: (1, 0)}[g]
+        expected = torch.zeros_like(q.scale, dtype=torch.bool)
+        expected[where] = True
+        assert torch.equal(~torch.isfinite(q.scale), expected)
+
+
+def test_transposed_casts_are_what_the_specs_say():
+    x = torch.randn(256, 384) * torch.logspace(-3, 3, 384)  # columns of very different size
+    tw, blk, row = (f8.CastSpec(f8.E4M3, g) for g in (f8.TensorWise(), B128, ROW))
+    q, q_t = fk.quantize(x, tw, transpose=True)
+    assert torch.equal(bits(q_t.data), bits(q.data.t())) and torch.equal(q_t.scale, q.scale)
+    q, q_t = fk.quantize(x, blk, transpose=True)
+    assert torch.equal(bits(q_t.data), bits(q.data.t())) and torch.equal(q_t.scale, q.scale.t())
+    q, q_t = fk.quantize(x, row, transpose=True)  # per-column scales: a different cast
+    assert q_t.scale.shape == (384, 1) and not torch.equal(bits(q_t.data), bits(q.data.t()))
+    data, data_t = fk.cast(x, q.scale, row, transpose=True, scale_t=q_t.scale)
+    assert torch.equal(bits(data), bits(q.data)) and torch.equal(bits(data_t), bits(q_t.data))
+
+
+def test_auto_picks_the_twin_off_cuda_and_compiles():
+    x = torch.randn(64, 256)
+    assert _dispatch._backend("auto", x) is _reference
+    assert _dispatch._backend("reference", x) is _reference
+    spec = f8.CastSpec(f8.E4M3, B1, True)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda t: fk.quantize(t, spec, transpose=False), fullgraph=True, backend="aot_eager")
+    q, _ = fn(x)
+    ref, _ = fk.quantize(x, spec, impl="reference")
+    assert_same_q(q, ref.data, ref.scale, "compiled")
+
+
+def test_errors_name_the_value_and_the_fix():
+    x = torch.randn(64, 256)
+    spec = f8.CastSpec()
+    with pytest.raises(ValueError, match=r"shape \(2, 64, 256\).*reshape"):
+        fk.quantize(torch.randn(2, 64, 256), spec)
+    with pytest.raises(ValueError, match="contiguous=False"):
+        fk.quantize(x.t(), spec)
+    with pytest.raises(ValueError, match="torch.float16"):
+        fk.cast(x.half(), torch.ones(1, 1), spec)
+    with pytest.raises(ValueError, match=r"MX\(block=32, axis=-1\) has no kernel"):
+        fk.quantize(x, f8.CastSpec(granularity=f8.MX(32)))
+    with pytest.raises(ValueError, match=r"AxisWise\(axis=0\) has no kernel"):
+        fk.quantize(x, f8.CastSpec(granularity=f8.AxisWise(0)))
+    with pytest.raises(ValueError, match=r"BlockWise\(block=\(1, 128\)\) does not divide a tensor of shape \(256, 64"):
+        fk.quantize(x, f8.CastSpec(granularity=B1), transpose=True)
+    with pytest.raises(ValueError, match=r"scale is \(\(64, 1\).*expected float32 of shape \(1, 1\)"):
+        fk.cast(x, torch.ones(64, 1), spec)
+    with pytest.raises(ValueError, match=r"pass scale_t of shape \(256, 1\)"):
+        fk.cast(x, torch.ones(64, 1), f8.CastSpec(granularity=ROW), transpose=True)
+    with pytest.raises(ValueError, match=r"impl='cuda': expected one of"):
+        fk.amax(x, f8.TensorWise(), impl="cuda")
+    with pytest.raises((RuntimeError, ValueError), match="impl='triton' needs"):
+        fk.amax(x, f8.TensorWise(), impl="triton")  # no triton here, or a CPU tensor
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: every Triton kernel against its twin, bitwise, on the same CUDA tensor.
+
+needs_triton = pytest.mark.skipif(not fk.triton_available(), reason="needs the triton package")
+COMBOS = [(torch.bfloat16, f8.E4M3, True), (torch.float32, f8.E5M2, False),
+          (torch.bfloat16, f8.E5M2, False), (torch.float32, f8.E4M3, True)]
+SHAPES = {  # per granularity: ragged shapes exercise the masks
+    "tw": [(1, 1), (37, 53), (300, 1000), (1024, 4096), (4097, 515)],
+    "row": [(1, 1), (37, 53), (300, 1000), (1024, 4096), (129, 14336), (8, 16512), (3, 40000)],
+    "b1": [(1, 128), (37, 256), (256, 384), (1024, 4096), (4097, 640)],
+    "b128": [(128, 128), (256, 384), (1024, 4096), (640, 2048)],
+}
+KEY = {f8.TensorWise(): "tw", ROW: "row", B1: "b1", B128: "b128"}
+
+
+def _gpu_input(shape, dtype, kind, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(shape, device="cuda", generator=g) * 2.0 ** (seed % 40 - 20)
+    m, k = shape
+    if kind == "specials" and x.numel() > 4:
+        x[0, 0] = float("nan")
+        x[m // 2, k // 3] = -float("nan")
+        x[m - 1, k - 1] = float("inf")
+        x[m // 3, k - 1] = -float("inf")
+        x[m // 2] = 0.0  # a zero row
+        x[:, k // 2] *= 1e-38  # fp32 subnormals (bf16 keeps some)
+        x[m - 1, 0] = 3.0e38  # near the fp32 max
+    elif kind == "zeros":
+        x.zero_()
+    return x.to(dtype)
+
+
+def _check_quantize(x, spec, transpose, run):
+    q, q_t = run(x, spec, transpose, "triton")
+    r, r_t = fk.quantize(x, spec, transpose=transpose, impl="reference")
+    assert_same_q(q, r.data, r.scale, "q")
+    if transpose:
+        assert_same_q(q_t, r_t.data, r_t.scale, "q_t")
+
+
+def _eager(x, spec, transpose, impl):
+    return fk.quantize(x, spec, transpose=transpose, impl=impl)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("g", GRANULARITIES, ids=repr)
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"{c[0]}-{c[1]}-p2={c[2]}".replace("torch.", ""))
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("kind", ["randn", "specials", "zeros"])
+def test_triton_quantize_bitwise_twin(g, combo, transpose, kind):
+    dtype, fp8, p2 = combo
+    spec = f8.CastSpec(fp8, g, p2)
+    for i, shape in enumerate(SHAPES[KEY[g]]):
+        if transpose and g == B1 and shape[0] % 128:
+            continue
+        if kind == "zeros" and i % 2:
+            continue
+        _check_quantize(_gpu_input(shape, dtype, kind, i), spec, transpose, _eager)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("g", GRANULARITIES, ids=repr)
+@pytest.mark.parametrize("combo", COMBOS[:2], ids=lambda c: f"{c[0]}-{c[1]}".replace("torch.", ""))
+@pytest.mark.parametrize("scales", ["saturating", "extreme"])
+def test_triton_cast_bitwise_twin(g, combo, scales):
+    dtype, fp8, p2 = combo
+    spec = f8.CastSpec(fp8, g, p2)
+    for i, shape in enumerate(SHAPES[KEY[g]]):
+        x = _gpu_input(shape, dtype, "specials" if i % 2 else "randn", i)
+        transpose = not (g == B1 and shape[0] % 128)
+        r, r_t = fk.quantize(x, spec, transpose=transpose, impl="reference")
+        s, s_t = r.scale, (r_t.scale if transpose else None)
+        if scales == "saturating":
+            s, s_t = s / 64, (s_t / 64 if transpose else None)
+        else:  # huge (reciprocal subnormal), tiny (x * recip overflows), inf, NaN
+            pick = torch.tensor([2.0**127, 3.0e38, 1e-30, float("inf"), float("nan"), 1.5], device="cuda")
+            s = pick[torch.arange(s.numel(), device="cuda") % 6].reshape(s.shape)
+            s_t = pick[torch.arange(s_t.numel(), device="cuda") % 5].reshape(s_t.shape) if transpose else None
+        got = fk.cast(x, s, spec, transpose=transpose, scale_t=s_t, impl="triton")
+        want = fk.cast(x, s, spec, transpose=transpose, scale_t=s_t, impl="reference")
+        assert_bitwise(got[0], want[0], f"{shape} data")
+        if transpose:
+            assert_bitwise(got[1], want[1], f"{shape} data_t")
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("g", [f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(0)], ids=repr)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_amax_bitwise_twin(g, dtype):
+    for i, shape in enumerate([(1, 1), (37, 53), (4097, 515), (4096, 8192)]):
+        for kind in ("randn", "specials", "zeros"):
+            x = _gpu_input(shape, dtype, kind, i)
+            assert_bitwise(fk.amax(x, g, impl="triton"), fk.amax(x, g, impl="reference"), f"{shape} {kind}")
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("g", GRANULARITIES, ids=repr)
+def test_triton_compiled_fullgraph_bitwise_twin(g):
+    from fp8func.kernels import _triton_quant
+
+    torch._dynamo.reset()
+    x = _gpu_input((512, 1024), torch.bfloat16, "specials", 7)
+    assert _dispatch._backend("auto", x) is _triton_quant
+    spec = f8.CastSpec(f8.E4M3, g, True)
+    quant = torch.compile(lambda t: fk.quantize(t, spec, transpose=True), fullgraph=True)
+    _check_quantize(x, spec, True, lambda t, s, tr, impl: quant(t))
+    r, r_t = fk.quantize(x, spec, transpose=True, impl="reference")
+    cast = torch.compile(lambda t, s, s_t: fk.cast(t, s, spec, transpose=True, scale_t=s_t), fullgraph=True)
+    data, data_t = cast(x, r.scale / 8, r_t.scale / 8)
+    want = fk.cast(x, r.scale / 8, spec, transpose=True, scale_t=r_t.scale / 8, impl="reference")
+    assert_bitwise(data, want[0], "data")
+    assert_bitwise(data_t, want[1], "data_t")
+    if not isinstance(g, f8.BlockWise):
+        amax = torch.compile(lambda t: fk.amax(t, g), fullgraph=True)
+        assert_bitwise(amax(x), fk.amax(x, g, impl="reference"), "amax")
