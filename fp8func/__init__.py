@@ -20,6 +20,7 @@ from ._scaling import MX as MX
 from ._scaling import AxisWise as AxisWise
 from ._scaling import BlockWise as BlockWise
 from ._scaling import CastSpec as CastSpec
+from ._scaling import DelayedScaling as DelayedScaling
 from ._scaling import Recipe as Recipe
 from ._scaling import TensorWise as TensorWise
 from ._scaling import compute_amax as compute_amax
@@ -32,6 +33,8 @@ from ._qtensor import Fp8Tensor as Fp8Tensor
 from ._ops import dequantize as dequantize
 from ._ops import quantize as quantize
 from ._ops import quantize_with_scale as quantize_with_scale
+from ._delayed import LinearScalingState as LinearScalingState
+from ._delayed import ScalingState as ScalingState
 from ._collectives import all_gather as all_gather
 from ._gemm import gemm as gemm
 from ._gemm import gemm_path as gemm_path
@@ -54,6 +57,9 @@ __all__ = [
     "AxisWise",
     "BlockWise",
     "CastSpec",
+    "DelayedScaling",
+    "LinearScalingState",
+    "ScalingState",
     "Fp8Meta",
     "Fp8Tensor",
     "Recipe",

@@ -93,8 +93,14 @@ def quantize(
     *,
     sharding: Sharding | tuple[Sharding, ...] | None = None,
     check_finite: bool = False,
-) -> Fp8Tensor:
+    state=None,
+    algo: str = "max",
+):
     """Quantizes ``x`` to FP8 with scales computed from its own amax (dynamic scaling).
+
+    With ``state`` (a ``ScalingState``): delayed scaling. ``x`` is cast with ``state.scale``
+    (made from earlier amaxes) and the call returns ``(Fp8Tensor, new_state)`` with ``x``'s amax
+    recorded; pure, the caller threads the state (see ``fp8func._delayed``).
 
     ``scale = max(amax, EPS) * (1 / fp8_max)`` per group (rounded up to a power of two when
     ``spec.pow2_scales``), ``data = saturate(x * (1 / scale))``. Values beyond the range saturate at
@@ -119,6 +125,12 @@ def quantize(
         raise TypeError(f"quantize: spec={spec!r} is not a CastSpec; e.g. fp8func.CastSpec(dtype=fp8func.E4M3).")
     if check_finite:
         _check_finite(x)
+    if state is not None:
+        from ._delayed import quantize_delayed  # the delayed layer sits on top of this one
+
+        if isinstance(sharding, tuple):
+            raise ValueError("quantize(state=...): one Sharding at most for delayed scaling.")
+        return quantize_delayed(x, spec, state, sharding=sharding, algo=algo)
     if isinstance(x, DTensor):  # DTensor ops reduce the amax globally; a block must not straddle shards
         check_blocks_within_shards(x, spec.granularity)
     amax = compute_amax(x, spec.granularity)

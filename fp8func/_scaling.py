@@ -36,6 +36,7 @@ __all__ = [
     "Granularity",
     "CastSpec",
     "Recipe",
+    "DelayedScaling",
     "block_lengths",
     "scale_shape",
     "transpose_granularity",
@@ -262,6 +263,27 @@ class CastSpec:
 
 
 PATHS = ("auto", "hardware", "emulated")
+AMAX_ALGOS = ("max", "most_recent")
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """Delayed (history-based) scaling: each cast uses the scale made from the amaxes of earlier
+    steps, and records its own amax for later ones, so the tensor is read once.
+
+    Attributes:
+        history_len: amaxes kept per tensor (newest first).
+        algo: "max" (scale from the largest amax in the history) or "most_recent".
+    """
+
+    history_len: int = 16
+    algo: str = "max"
+
+    def __post_init__(self):
+        if not isinstance(self.history_len, int) or self.history_len < 1:
+            raise ValueError(f"DelayedScaling(history_len={self.history_len!r}): expected an int >= 1.")
+        if self.algo not in AMAX_ALGOS:
+            raise ValueError(f"DelayedScaling(algo={self.algo!r}): expected one of {AMAX_ALGOS}.")
 
 
 @dataclass(frozen=True)
@@ -282,6 +304,8 @@ class Recipe:
         grad_weight_hp: compute grad_weight = dy.T @ x in high precision.
         path: "auto" (hardware GEMM where one exists), "hardware" or "emulated".
         name: a label for reports.
+        delayed: ``DelayedScaling`` for history-based tensorwise scales (the "delayed" recipe);
+            ``linear`` then takes and returns an explicit ``LinearScalingState``.
     """
 
     input: CastSpec = dataclasses.field(default_factory=lambda: CastSpec(E4M3))
@@ -291,19 +315,31 @@ class Recipe:
     grad_weight_hp: bool = False
     path: str = "auto"
     name: str = "custom"
+    delayed: DelayedScaling | None = None
 
     def __post_init__(self):
         for role in ("input", "weight", "grad_output"):
             if not isinstance(getattr(self, role), CastSpec):
                 raise TypeError(f"Recipe.{role}={getattr(self, role)!r} is not a CastSpec.")
+        if self.delayed is not None:
+            bad = [role for role in ("input", "weight", "grad_output")
+                   if not isinstance(getattr(self, role).granularity, TensorWise)]
+            if bad or self.grad_input_weight is not None or self.grad_weight_hp:
+                raise ValueError(
+                    f"Recipe(delayed=...): delayed scaling keeps one scale per tensor; the casts "
+                    f"{bad or ['grad_input_weight / grad_weight_hp']} are not plain tensorwise. Use "
+                    "TensorWise() specs (Recipe.from_name('delayed')) or dynamic scaling."
+                )
         if self.path not in PATHS:
             raise ValueError(f"Recipe(path={self.path!r}): expected one of {PATHS}.")
 
     @staticmethod
     def from_name(name: str, **overrides) -> "Recipe":
-        """A named recipe: "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8".
+        """A named recipe: "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8",
+        "delayed" (tensorwise with a 16-step amax history).
 
-        Keyword overrides replace fields, e.g. ``Recipe.from_name("rowwise", path="emulated")``.
+        Keyword overrides replace fields, e.g. ``Recipe.from_name("rowwise", path="emulated")``,
+        ``Recipe.from_name("delayed", delayed=DelayedScaling(history_len=32))``.
         """
         if name not in _NAMED_RECIPES:
             raise ValueError(
@@ -331,6 +367,8 @@ def _named_recipes() -> dict[str, Recipe]:
         # DeepSeek-V3: 1x128 activations and gradients, 128x128 weights, e4m3 everywhere.
         "blockwise": Recipe(act_block, CastSpec(E4M3, BlockWise((128, 128))), act_block, name="blockwise"),
         "mxfp8": Recipe(mx, mx, mx, name="mxfp8"),
+        "delayed": Recipe(CastSpec(E4M3), CastSpec(E4M3), CastSpec(E5M2), name="delayed",
+                          delayed=DelayedScaling()),
     }
 
 

@@ -1,5 +1,6 @@
 """Distributed pieces of the shell: FSDP2 fp8 all-gather weight types (tensor-parallel styles next)."""
 
+from ._delayed import share_scaling_state as share_scaling_state
 from ._fsdp import Fp8AllGatherWeight as Fp8AllGatherWeight
 from ._fsdp import Fp8GatheredWeight as Fp8GatheredWeight
 from ._fsdp import chunk_sizes as chunk_sizes
@@ -10,4 +11,4 @@ from ._tp import PrepareFp8ModuleInput as PrepareFp8ModuleInput
 from ._tp import sequence_all_gather as sequence_all_gather
 
 __all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "chunk_sizes", "precompute_scales", "Fp8ColwiseParallel", "Fp8RowwiseParallel",
-           "PrepareFp8ModuleInput", "sequence_all_gather"]
+           "PrepareFp8ModuleInput", "sequence_all_gather", "share_scaling_state"]

@@ -97,6 +97,12 @@ class Fp8AllGatherWeight(torch.Tensor):
     def __repr__(self):
         return f"Fp8AllGatherWeight({self._tensor!r}, recipe={self._recipe.name})"
 
+    def __reduce_ex__(self, protocol):
+        # Saved (torch.save, DCP) as the plain high-precision tensor it is: checkpoints load with
+        # weights_only=True, without fp8func, into any model; loading into an Fp8Linear copies
+        # the values into this wrapper (copy_ is preserved).
+        return self._tensor.__reduce_ex__(protocol)
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         n, k = outer_size
         if self._tensor.ndim != 2 or self._tensor.shape[1] != k:

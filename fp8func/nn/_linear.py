@@ -6,7 +6,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._autograd import linear, linear_with_casts
+from .._autograd import linear, linear_delayed, linear_with_casts
+from .._delayed import LinearScalingState, ScalingState
 from .._gathered import gathered_casts
 from .._scaling import Recipe
 from ..distributed._fsdp import Fp8AllGatherWeight
@@ -21,21 +22,64 @@ class Fp8Linear(nn.Linear):
     high-precision tensor to everything except FSDP2, which then all-gathers it as fp8 bytes,
     bitwise what the bf16 all-gather followed by the cast gives.
 
+    With a delayed-scaling recipe (``"delayed"``) the layer holds its ``LinearScalingState`` as
+    buffers (``fp8_{x,w,dy}_{history,scale}``: in the state_dict and checkpoints, never seen by
+    the optimizer). Each training forward records the input and weight amaxes; the backward's
+    grad_output state arrives as the gradient of the ``fp8_dy_*`` buffers and is written into
+    them as soon as it is accumulated (a post-accumulate-grad hook). Eval forwards use the
+    state without changing it.
+
     Example:
         >>> layer = Fp8Linear(4096, 4096, recipe=fp8func.Recipe.from_name("rowwise"))
     """
+
+    _STATE = ("x", "w", "dy")
+    amax_sharding = None  # delayed scaling: how the tokens are split over ranks (share_scaling_state)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  recipe: Recipe | str = "tensorwise", fsdp_fp8_all_gather: bool = True):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
         self.fsdp_fp8_all_gather = fsdp_fp8_all_gather
+        if self.recipe.delayed is not None:
+            fsdp_fp8_all_gather = False  # the FSDP2 fp8 gather casts dynamically; see convert()
+            self.fsdp_fp8_all_gather = False
+            self._init_state(self.weight.device)
         if fsdp_fp8_all_gather:
             self.weight = nn.Parameter(Fp8AllGatherWeight(self.weight.data, self.recipe))
+
+    def _init_state(self, device) -> None:
+        state = LinearScalingState.init(self.recipe.delayed.history_len, device)
+        for name, st in zip(self._STATE, state):
+            self.register_buffer(f"fp8_{name}_history", st.amax_history)
+            self.register_buffer(f"fp8_{name}_scale", st.scale)
+        self._hook_grad_output_state()
+
+    def _hook_grad_output_state(self) -> None:
+        """The grad_output state comes back as a gradient: write it into the buffer, drop the grad."""
+        for t in (getattr(self, "fp8_dy_history", None), getattr(self, "fp8_dy_scale", None)):
+            if t is None or t.is_meta or getattr(t, "_fp8func_hooked", False):
+                continue
+            t.requires_grad_(True)
+            t.register_post_accumulate_grad_hook(_apply_state_grad)
+            t._fp8func_hooked = True
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._hook_grad_output_state()  # .to() / .cuda() / to_empty() make new buffer tensors
+        return out
+
+    def scaling_state(self) -> LinearScalingState | None:
+        """The layer's delayed-scaling state (views of its buffers), or None for dynamic scaling."""
+        if self.recipe.delayed is None:
+            return None
+        return LinearScalingState(*(ScalingState(getattr(self, f"fp8_{n}_history"), getattr(self, f"fp8_{n}_scale"))
+                                    for n in self._STATE))
 
     @classmethod
     def from_linear(cls, linear_: nn.Linear, recipe: Recipe, fsdp_fp8_all_gather: bool = True) -> "Fp8Linear":
         """An ``Fp8Linear`` holding ``linear_``'s parameters (the same values, no re-init)."""
+        fsdp_fp8_all_gather = fsdp_fp8_all_gather and recipe.delayed is None
         with torch.device("meta"):
             new = cls(linear_.in_features, linear_.out_features, bias=False, recipe=recipe,
                       fsdp_fp8_all_gather=False)
@@ -45,6 +89,8 @@ class Fp8Linear(nn.Linear):
         new.weight = weight
         new.bias = linear_.bias
         new.fsdp_fp8_all_gather = fsdp_fp8_all_gather
+        if new.recipe.delayed is not None:
+            new._init_state(linear_.weight.device)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +106,19 @@ class Fp8Linear(nn.Linear):
                 "recipe, or convert(..., fsdp_fp8_all_gather=False)."
             )
         x_casts = gathered_casts(x)
+        if self.recipe.delayed is not None:
+            if w_casts is not None or x_casts is not None:
+                raise ValueError("fp8func: delayed scaling casts the weight and input itself; use the "
+                                 "stock TP styles and fsdp_fp8_all_gather=False with recipe 'delayed'.")
+            if not torch.compiler.is_compiling():
+                self._hook_grad_output_state()
+            y, new = linear_delayed(x, w, self.bias, self.recipe, self.scaling_state(), self.amax_sharding)
+            if self.training:
+                with torch.no_grad():
+                    for name, st in zip(self._STATE[:2], new[:2]):
+                        getattr(self, f"fp8_{name}_history").copy_(st.amax_history)
+                        getattr(self, f"fp8_{name}_scale").copy_(st.scale)
+            return y
         if w_casts is None and x_casts is None:
             return linear(x, w, self.bias, self.recipe)
         return linear_with_casts(x, w, self.bias, self.recipe, w_casts, x_casts)
@@ -67,3 +126,9 @@ class Fp8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, fsdp_fp8_all_gather={self.fsdp_fp8_all_gather}"
 
+
+
+def _apply_state_grad(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.copy_(t.grad)
+    t.grad = None

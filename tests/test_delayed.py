@@ -1,0 +1,152 @@
+"""Delayed scaling as explicit state: the history update, the scale selection, linear under
+torch.func and torch.compile, and the Fp8Linear shell that applies the state."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import fp8func as f8
+from fp8func._delayed import LinearScalingState, ScalingState
+
+from .strategies import shapes_2d, tensors
+
+
+@given(xs=st.lists(tensors(shapes_2d(max_groups=5), log2_range=(-10, 12), specials=True), min_size=1, max_size=6),
+       history_len=st.integers(1, 4), algo=st.sampled_from(["max", "most_recent"]),
+       dtype=st.sampled_from([f8.E4M3, f8.E5M2]), pow2=st.booleans(), bad=st.integers(-1, 5))
+def test_history_update_and_scale_selection(xs, history_len, algo, dtype, pow2, bad):
+    spec = f8.CastSpec(dtype, power_of_2=pow2)
+    if 0 <= bad < len(xs):  # one step sees a NaN: recorded, but the scale must not take it
+        xs[bad] = xs[bad].clone()
+        xs[bad].view(-1)[0] = float("nan")
+    state = ScalingState.init(history_len)
+    seen = []
+    for x in xs:
+        q, new = f8.quantize(x, spec, state=state, algo=algo)
+        # the cast used the previous scale, exactly as quantize_with_scale would
+        ref = f8.quantize_with_scale(x, state.scale.reshape(1, 1), spec)
+        assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))
+        amax = x.abs().max().float()
+        seen.insert(0, amax)
+        want_hist = torch.stack((seen + [torch.tensor(0.0)] * history_len)[:history_len])
+        assert torch.equal(new.amax_history, want_hist) or (new.amax_history.isnan() == want_hist.isnan()).all()
+        basis = want_hist.max() if algo == "max" else amax
+        if torch.isfinite(basis) and basis > 0:
+            want = f8.compute_scale(basis.reshape(1, 1), dtype, pow2)
+        else:
+            want = state.scale  # a NaN / inf / all-zero basis keeps the scale
+        assert torch.equal(new.scale, want), (new.scale, want)
+        assert torch.isfinite(new.scale).all()
+        state = new
+
+
+def test_from_tensor_makes_the_first_cast_the_dynamic_one():
+    x = torch.randn(64, 32) * 300
+    spec = f8.CastSpec()
+    q, _ = f8.quantize(x, spec, state=ScalingState.from_tensor(x, spec, 8))
+    dyn = f8.quantize(x, spec)
+    assert torch.equal(q.scale, dyn.scale) and torch.equal(q.data.view(torch.uint8), dyn.data.view(torch.uint8))
+
+
+def test_delayed_scaling_refuses_non_tensorwise_and_bad_states():
+    with pytest.raises(ValueError, match="delayed scaling keeps one scale per tensor"):
+        f8.quantize(torch.randn(4, 4), f8.CastSpec(granularity=f8.AxisWise(-1)), state=ScalingState.init(2))
+    with pytest.raises(ValueError, match="are not plain tensorwise"):
+        f8.Recipe.from_name("rowwise", delayed=f8.DelayedScaling())
+    with pytest.raises(TypeError, match="needs state=LinearScalingState"):
+        f8.linear(torch.randn(4, 16), torch.randn(16, 16), recipe="delayed")
+    with pytest.raises(ValueError, match="state= is for delayed scaling"):
+        f8.linear(torch.randn(4, 16), torch.randn(16, 16), recipe="tensorwise", state=LinearScalingState.init(2))
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 16, 64, generator=g).bfloat16(), torch.randn(32, 64, generator=g) / 8,
+            torch.randn(2, 16, 32, generator=g).bfloat16())
+
+
+def _warm_state(x, w, dy):
+    """A state whose scales are not the identity (one recorded step of each tensor)."""
+    spec = f8.Recipe.from_name("delayed")
+    return LinearScalingState(ScalingState.from_tensor(x, spec.input, 4), ScalingState.from_tensor(w, spec.weight, 4),
+                              ScalingState.from_tensor(dy, spec.grad_output, 4))
+
+
+def test_linear_state_through_torch_func_grad_equals_eager_autograd():
+    x, w, dy = _data()
+    state = _warm_state(x, w, dy * 3)
+
+    def loss(w, x, state):
+        y, new = f8.linear(x, w, recipe="delayed", state=state)
+        return (y.float() * dy.float()).sum(), new
+
+    (gw, gstate), new = torch.func.grad(loss, argnums=(0, 2), has_aux=True)(w, x, state)
+    merged = new._replace(grad_output=gstate.grad_output)
+
+    # eager: the grad_output state comes back as .grad of the state tensors
+    ww = w.clone().requires_grad_()
+    dy_state = ScalingState(*(t.clone().requires_grad_() for t in state.grad_output))
+    y, new_eager = f8.linear(x, ww, recipe="delayed", state=state._replace(grad_output=dy_state))
+    y.backward(dy)
+    assert torch.equal(gw, ww.grad)
+    assert torch.equal(merged.grad_output.amax_history, dy_state.amax_history.grad)
+    assert torch.equal(merged.grad_output.scale, dy_state.scale.grad)
+    # what the backward recorded: dy's amax, and the scale that history gives
+    assert merged.grad_output.amax_history[0] == dy.abs().max().float()
+    assert torch.equal(merged.input.amax_history, new_eager.input.amax_history)
+    # "max" over the history: the calibration step's 3x larger amax still sets the scale
+    assert merged.grad_output.amax_history[1] == state.grad_output.amax_history[0]
+    assert torch.equal(merged.grad_output.scale, state.grad_output.scale)
+
+
+def test_linear_delayed_compiles_fullgraph_and_matches_eager():
+    x, w, dy = _data(1)
+    state = _warm_state(x, w, dy)
+
+    def step(x, w, hist, scale):
+        st_ = state._replace(grad_output=ScalingState(hist, scale))
+        y, new = f8.linear(x, w, recipe="delayed", state=st_)
+        return y, new.input.amax_history, new.input.scale, new.weight.scale
+
+    outs = {}
+    for name, fn in (("eager", step), ("compiled", torch.compile(step, fullgraph=True))):
+        ww = w.clone().requires_grad_()
+        hist, scale = (t.clone().requires_grad_() for t in state.grad_output)
+        y, *rest = fn(x, ww, hist, scale)
+        y.backward(dy)
+        outs[name] = (y, *rest, ww.grad, hist.grad, scale.grad)
+    for a, b in zip(outs["eager"], outs["compiled"]):
+        assert torch.equal(a, b)
+
+
+def test_fp8_linear_applies_the_state_and_keeps_it_from_the_optimizer():
+    torch.manual_seed(0)
+    model = f8.convert(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)), "delayed")
+    layer = model[2]
+    assert layer.fsdp_fp8_all_gather is False
+    assert "FSDP2 all-gathers it in bf16" in f8.report(model, print_table=False)[0].reason
+    params = {id(p) for p in model.parameters()}
+    assert all(id(t) not in params for t in layer.scaling_state()[0] + layer.scaling_state()[2])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dy_amaxes, x_amaxes = [], []
+    for step in range(3):
+        x = torch.randn(8, 64) * (step + 1)
+        y = model(x)
+        dy = torch.randn_like(y) * 10 ** step
+        y.backward(dy)
+        opt.step()
+        opt.zero_grad()
+        dy_amaxes.insert(0, dy.abs().max())
+        x_amaxes.insert(0, x.abs().max())
+    assert torch.equal(model[0].fp8_x_history[:3], torch.stack(x_amaxes))
+    assert torch.equal(layer.fp8_dy_history[:3], torch.stack(dy_amaxes))  # applied by the hook
+    assert layer.fp8_dy_history.grad is None and layer.fp8_dy_scale.grad is None
+    frozen = {k: v.clone() for k, v in model.state_dict().items()}
+    model.eval()
+    model(torch.randn(8, 64) * 100)
+    assert all(torch.equal(frozen[k], v) for k, v in model.state_dict().items())  # eval: unchanged
+    fresh = f8.convert(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)), "delayed")
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(fresh[2].fp8_dy_scale, layer.fp8_dy_scale)
