@@ -150,3 +150,32 @@ def test_fp8_linear_applies_the_state_and_keeps_it_from_the_optimizer():
     fresh = f8.convert(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)), "delayed")
     fresh.load_state_dict(model.state_dict())
     assert torch.equal(fresh[2].fp8_dy_scale, layer.fp8_dy_scale)
+
+
+def test_fp8_linear_delayed_compiled_trains_bitwise_like_eager_without_recompiles():
+    """The shell's state updates under torch.compile(fullgraph=True): same losses and states as
+    eager over 4 steps, one graph (the buffers are rebound, never written in place: a compiled
+    backward that recomputed a cast's scale from a mutated buffer got a 150x wrong grad)."""
+    from torch._dynamo.utils import counters
+
+    runs = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = f8.convert(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)), "delayed")
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(model, fullgraph=True) if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            y = fn(torch.randn(8, 64, generator=g) * (step + 1))
+            loss = (y * torch.randn(y.shape, generator=g)).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[compiled] = (losses, model.state_dict(), counters["stats"]["unique_graphs"])
+    assert runs[False][0] == runs[True][0]
+    assert all(torch.equal(runs[False][1][k], runs[True][1][k]) for k in runs[False][1])
+    assert runs[True][2] == 1

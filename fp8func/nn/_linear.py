@@ -27,7 +27,8 @@ class Fp8Linear(nn.Linear):
     the optimizer). Each training forward records the input and weight amaxes; the backward's
     grad_output state arrives as the gradient of the ``fp8_dy_*`` buffers and is written into
     them as soon as it is accumulated (a post-accumulate-grad hook). Eval forwards use the
-    state without changing it.
+    state without changing it. The input and weight buffers are replaced by new tensors at each
+    training forward (never written in place).
 
     Example:
         >>> layer = Fp8Linear(4096, 4096, recipe=fp8func.Recipe.from_name("rowwise"))
@@ -114,10 +115,11 @@ class Fp8Linear(nn.Linear):
                 self._hook_grad_output_state()
             y, new = linear_delayed(x, w, self.bias, self.recipe, self.scaling_state(), self.amax_sharding)
             if self.training:
-                with torch.no_grad():
-                    for name, st in zip(self._STATE[:2], new[:2]):
-                        getattr(self, f"fp8_{name}_history").copy_(st.amax_history)
-                        getattr(self, f"fp8_{name}_scale").copy_(st.scale)
+                # Rebind, not copy_: the backward may read the old tensors (a compiled backward
+                # recomputes cheap ops from the forward's inputs), so they must stay unchanged.
+                for name, st in zip(self._STATE[:2], new[:2]):
+                    setattr(self, f"fp8_{name}_history", st.amax_history.detach())
+                    setattr(self, f"fp8_{name}_scale", st.scale.detach())
             return y
         if w_casts is None and x_casts is None:
             return linear(x, w, self.bias, self.recipe)
