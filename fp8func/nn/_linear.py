@@ -111,8 +111,8 @@ class Fp8Linear(nn.Linear):
             if w_casts is not None or x_casts is not None:
                 raise ValueError("fp8func: delayed scaling casts the weight and input itself; use the "
                                  "stock TP styles and fsdp_fp8_all_gather=False with recipe 'delayed'.")
-            if not torch.compiler.is_compiling():
-                self._hook_grad_output_state()
+            if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
+                self._hook_grad_output_state()  # (under torch.func the caller threads the state)
             y, new = linear_delayed(x, w, self.bias, self.recipe, self.scaling_state(), self.amax_sharding)
             if self.training:
                 # Rebind, not copy_: the backward may read the old tensors (a compiled backward
