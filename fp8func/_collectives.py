@@ -16,22 +16,30 @@ from ._sharding import Sharding
 __all__ = ["all_gather", "gather_sizes"]
 
 
+# torch 2.13 deprecates all_gather_tensor for all_gather_single, which torch 2.11 does not have.
+_all_gather_dim0 = getattr(funcol, "all_gather_single", None)
+
+
+def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
+    """Functional all-gather along dim 0, on every torch this supports (traceable by dynamo)."""
+    if _all_gather_dim0 is not None:
+        return _all_gather_dim0(t, 0, group)
+    return funcol.all_gather_tensor(t, 0, group)
+
+
 def gather_sizes(local: int, mesh: DeviceMesh, mesh_dim: int) -> list[int]:
     """Every rank's local size along a dim (one tiny all-gather; eager only)."""
     t = torch.tensor([local], dtype=torch.int64, device=mesh.device_type)
-    return [int(s) for s in funcol.wait_tensor(funcol.all_gather_tensor(t, 0, (mesh, mesh_dim))).tolist()]
+    return [int(s) for s in funcol.wait_tensor(_all_gather(t, (mesh, mesh_dim))).tolist()]
 
 
 def _gather_padded(t: torch.Tensor, dim: int, sizes: list[int], mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
-    """All-gather ``t`` along ``dim`` where rank r holds ``sizes[r]`` rows: pad, gather, trim.
-
-    ``funcol.all_gather_tensor``: torch 2.11 has no ``all_gather_single``.
-    """
+    """All-gather ``t`` along ``dim`` where rank r holds ``sizes[r]`` rows: pad, gather, trim."""
     t = t.movedim(dim, 0)
     pad = max(sizes) - t.shape[0]
     if pad:
         t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
-    out = funcol.wait_tensor(funcol.all_gather_tensor(t.contiguous(), 0, (mesh, mesh_dim)))
+    out = funcol.wait_tensor(_all_gather(t.contiguous(), (mesh, mesh_dim)))
     if any(s != sizes[0] for s in sizes):
         out = torch.cat([c[:s] for c, s in zip(out.split(max(sizes)), sizes)])
     return out.movedim(0, dim)
