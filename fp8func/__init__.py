@@ -39,6 +39,13 @@ from ._collectives import all_gather as all_gather
 from ._gemm import gemm as gemm
 from ._gemm import gemm_path as gemm_path
 from ._autograd import linear as linear
+from ._grouped import JaggedFp8Tensor as JaggedFp8Tensor
+from ._grouped import align_groups as align_groups
+from ._grouped import dequantize_jagged as dequantize_jagged
+from ._grouped import grouped_gemm as grouped_gemm
+from ._grouped import grouped_gemm_path as grouped_gemm_path
+from ._grouped import grouped_linear as grouped_linear
+from ._grouped import quantize_jagged as quantize_jagged
 from ._metrics import sqnr as sqnr
 from . import distributed as distributed
 from . import nn as nn
@@ -62,6 +69,13 @@ __all__ = [
     "ScalingState",
     "Fp8Meta",
     "Fp8Tensor",
+    "JaggedFp8Tensor",
+    "align_groups",
+    "dequantize_jagged",
+    "grouped_gemm",
+    "grouped_gemm_path",
+    "grouped_linear",
+    "quantize_jagged",
     "Recipe",
     "Sharding",
     "TensorWise",

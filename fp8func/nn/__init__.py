@@ -5,5 +5,8 @@ from ._convert import Report as Report
 from ._convert import convert as convert
 from ._convert import report as report
 from ._linear import Fp8Linear as Fp8Linear
+from ._moe import MoE as MoE
+from ._moe import Fp8MoE as Fp8MoE
+from ._moe import Router as Router
 
-__all__ = ["Fp8Linear", "LayerReport", "Report", "convert", "report"]
+__all__ = ["Fp8Linear", "Fp8MoE", "LayerReport", "MoE", "Report", "Router", "convert", "report"]
