@@ -51,6 +51,7 @@ from . import distributed as distributed
 from . import nn as nn
 from .nn import convert as convert
 from .nn import report as report
+from .nn import verify as verify
 from .distributed import precompute_scales as precompute_scales
 
 __version__ = "0.1.0"
@@ -98,5 +99,6 @@ __all__ = [
     "round_up_to_pow2",
     "scale_shape",
     "sqnr",
+    "verify",
     "to_e8m0",
 ]

@@ -17,6 +17,7 @@ __all__ = ["convert", "report", "LayerReport", "Report"]
 
 log = logging.getLogger("fp8func")
 _DECISIONS = "_fp8func_decisions"  # fqn -> reason it was not converted ("" when converted)
+_CONVERTED = "_fp8func_converted"  # the fqns convert() put in FP8
 
 
 def _why_not(module: nn.Linear, fqn: str, recipe: Recipe, filter_fn) -> str:
@@ -71,6 +72,7 @@ def convert(
     profile = profile_for() if filter == "auto" else None
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     decisions = getattr(model, _DECISIONS, {})
+    converted_fqns = getattr(model, _CONVERTED, set())
     targets = [(fqn, m) for fqn, m in model.named_modules() if type(m) is nn.Linear]
     converted = 0
     for fqn, module in targets:
@@ -95,7 +97,9 @@ def convert(
         else:
             raise ValueError("convert: the model itself is an nn.Linear; wrap it in a module first.")
         converted += 1
+        converted_fqns.add(fqn)
     object.__setattr__(model, _DECISIONS, decisions)  # plain attribute, not a submodule/buffer
+    object.__setattr__(model, _CONVERTED, converted_fqns)
     total = sum(1 for _, m in model.named_modules() if isinstance(m, nn.Linear))
     log.info("fp8func: converted %d/%d linear layers (recipe=%s, fsdp_fp8_all_gather=%s)",
              converted, total, recipe.name, fsdp_fp8_all_gather)
