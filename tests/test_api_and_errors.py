@@ -84,3 +84,22 @@ def test_check_finite_refuses_compile():
     fn = torch.compile(lambda t: f8.quantize(t, f8.CastSpec(), check_finite=True), fullgraph=True)
     with pytest.raises(Exception, match=r"check_finite=True\) reads the tensor on the host"):
         fn(torch.randn(4))
+
+
+def test_the_guide_cites_tests_that_exist():
+    """Every test the user guide's compatibility matrix cites exists: `tests/x.py::name`, and the
+    shorthand `::name` for another test of the file cited just before."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).parents[1]
+    refs = re.findall(r"`(tests/\w+\.py)?((?:::\w+)?)`", (root / "docs" / "guide.md").read_text())
+    checked, current = 0, None
+    for file, name in refs:
+        if file:
+            current = root / file
+            assert current.exists(), file
+        if name:
+            assert current is not None and f"def {name[2:]}(" in current.read_text(), (current, name)
+            checked += 1
+    assert checked >= 15, checked
