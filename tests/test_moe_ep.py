@@ -268,3 +268,56 @@ def test_expert_parallel_with_fsdp2_on_the_other_mesh_dim():
     ok, table = _close(runs[0]["losses"], ref["losses"], 3e-2)
     assert ok and _close(runs[0]["losses"][:3], ref["losses"][:3], 1e-3)[0], table
     assert runs[0]["losses"][-1] < 0.9 * runs[0]["losses"][0], table
+
+
+def _tiny_qwen3_moe(seed=0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                            num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=4, head_dim=32, max_position_embeddings=128,
+                            tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config)
+
+
+def test_convert_swaps_hf_qwen3_moe_experts_for_fp8_grouped_gemms(caplog):
+    """fp8func.convert on an HF Qwen3-MoE: every fused experts module becomes Fp8Experts (same
+    parameter tensors), the router stays high precision, report() lists them, and a few training
+    steps track the bf16 model."""
+    import logging
+
+    from fp8func.nn._moe import Fp8Experts
+
+    ref, model = _tiny_qwen3_moe(), _tiny_qwen3_moe()
+    gate_up = model.model.layers[0].mlp.experts.gate_up_proj
+    with caplog.at_level(logging.INFO, logger="fp8func"):
+        f8.convert(model, "rowwise")
+    assert "and 2/2 MoE expert modules" in caplog.text, caplog.text
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, Fp8Experts) and experts.gate_up_proj is gate_up
+    assert not isinstance(model.model.layers[0].mlp.gate, f8.nn.Fp8Linear)
+    rows = {r.fqn: r for r in f8.report(model, print_table=False)}
+    assert rows["model.layers.1.mlp.experts"].converted
+    assert rows["model.layers.1.mlp.experts"].reason == "MoE experts: FP8 grouped GEMMs"
+    losses = {}
+    for name, m in (("bf16", ref), ("fp8", model)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses[name] = []
+        for step in range(3):
+            ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(step))
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            assert torch.isfinite(m.model.layers[0].mlp.experts.gate_up_proj.grad).all()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.item())
+    for a, b in zip(losses["fp8"], losses["bf16"]):
+        assert abs(a - b) / b < 2e-3, losses
+
+
+def test_convert_keeps_experts_high_precision_for_non_rowwise_recipes():
+    model = f8.convert(_tiny_qwen3_moe(), "tensorwise")
+    rows = {r.fqn: r for r in f8.report(model, print_table=False)}
+    assert not rows["model.layers.0.mlp.experts"].converted
+    assert "FP8 grouped GEMMs take row-wise recipes, not 'tensorwise'" in rows["model.layers.0.mlp.experts"].reason

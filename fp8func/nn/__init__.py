@@ -6,11 +6,12 @@ from ._convert import convert as convert
 from ._convert import report as report
 from ._linear import Fp8Linear as Fp8Linear
 from ._moe import MoE as MoE
+from ._moe import Fp8Experts as Fp8Experts
 from ._moe import Fp8MoE as Fp8MoE
 from ._moe import Router as Router
 from ._verify import LayerCheck as LayerCheck
 from ._verify import Verification as Verification
 from ._verify import verify as verify
 
-__all__ = ["Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MoE", "Report", "Router", "Verification",
+__all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MoE", "Report", "Router", "Verification",
            "convert", "report", "verify"]

@@ -9,9 +9,10 @@ from typing import Callable
 
 from torch import nn
 
-from .._scaling import Recipe, block_lengths
+from .._scaling import AxisWise, Recipe, block_lengths
 from ._auto import estimate_ms, profile_for
 from ._linear import Fp8Linear
+from ._moe import Fp8Experts, is_fused_experts
 
 __all__ = ["convert", "report", "LayerReport", "Report"]
 
@@ -42,6 +43,23 @@ def _auto(module: nn.Linear, recipe: Recipe, tokens: int, profile) -> tuple[str,
     if fp8 >= bf16:
         return f"auto: kept bf16, FP8 not faster ({figures})", ""
     return "", f"auto: {bf16 / fp8:.2f}x ({figures})"
+
+
+def _convert_experts(model: nn.Module, recipe: Recipe, decisions: dict) -> tuple[int, int]:
+    """Swaps HF fused MoE experts modules for ``Fp8Experts`` (row-wise recipes: the FP8 grouped
+    GEMM casts per token and per expert row). Returns (converted, found)."""
+    found = [(fqn, m) for fqn, m in model.named_modules() if fqn and is_fused_experts(m)]
+    rowwise = all(isinstance(s.granularity, AxisWise) and s.granularity.axis in (-1, 1)
+                  for s in (recipe.input, recipe.weight, recipe.grad_output))
+    for fqn, m in found:
+        if not rowwise:
+            decisions[fqn] = (f"MoE experts kept high precision: FP8 grouped GEMMs take row-wise recipes, "
+                              f"not {recipe.name!r}")
+            continue
+        parent, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent), child, Fp8Experts(m, recipe))
+        decisions[fqn] = "MoE experts: FP8 grouped GEMMs"
+    return (len(found) if rowwise else 0), len(found)
 
 
 def convert(
@@ -98,11 +116,13 @@ def convert(
             raise ValueError("convert: the model itself is an nn.Linear; wrap it in a module first.")
         converted += 1
         converted_fqns.add(fqn)
+    experts = _convert_experts(model, recipe, decisions)
     object.__setattr__(model, _DECISIONS, decisions)  # plain attribute, not a submodule/buffer
     object.__setattr__(model, _CONVERTED, converted_fqns)
     total = sum(1 for _, m in model.named_modules() if isinstance(m, nn.Linear))
-    log.info("fp8func: converted %d/%d linear layers (recipe=%s, fsdp_fp8_all_gather=%s)",
-             converted, total, recipe.name, fsdp_fp8_all_gather)
+    log.info("fp8func: converted %d/%d linear layers (recipe=%s, fsdp_fp8_all_gather=%s)%s",
+             converted, total, recipe.name, fsdp_fp8_all_gather,
+             f" and {experts[0]}/{experts[1]} MoE expert modules" if experts[1] else "")
     return model
 
 
@@ -138,6 +158,11 @@ def report(model: nn.Module, *, print_table: bool = True) -> Report:
     decisions = getattr(model, _DECISIONS, {})
     rows = Report()
     for fqn, m in model.named_modules():
+        if isinstance(m, Fp8Experts) or (fqn in decisions and is_fused_experts(m)):
+            e, f2, h = m.gate_up_proj.shape
+            rows.append(LayerReport(fqn, isinstance(m, Fp8Experts), decisions.get(fqn, ""),
+                                    m.recipe.name if isinstance(m, Fp8Experts) else None, h, f2, False))
+            continue
         if not isinstance(m, nn.Linear):
             continue
         if isinstance(m, Fp8Linear):

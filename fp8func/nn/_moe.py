@@ -25,7 +25,7 @@ from .._grouped import align_groups, grouped_linear, grouped_mm
 from .._scaling import Recipe
 from ..distributed._ep import combine, dispatch
 
-__all__ = ["MoE", "Fp8MoE", "Router", "route"]
+__all__ = ["MoE", "Fp8MoE", "Fp8Experts", "Router", "route", "is_fused_experts"]
 
 
 class Router(nn.Linear):
@@ -154,3 +154,61 @@ class Fp8MoE(MoE):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, fp8_dispatch={self.fp8_dispatch}"
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """True for HF transformers' fused MoE experts modules (Qwen3-MoE and the like): 3-D
+    ``gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]`` parameters, an ``act_fn``, and
+    ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``."""
+    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter) and gu.ndim == 3 and down.ndim == 3
+            and gu.shape[0] == down.shape[0] and gu.shape[1] == 2 * down.shape[2] and gu.shape[2] == down.shape[1]
+            and hasattr(module, "act_fn") and not isinstance(module, Fp8Experts))
+
+
+class Fp8Experts(nn.Module):
+    """FP8 drop-in for an HF fused experts module (``is_fused_experts``): the same parameters (the
+    same tensors), the same forward signature; the two expert projections are FP8 grouped GEMMs
+    (``fp8func.grouped_linear``) over the (token, choice) pairs sorted by expert. The router is the
+    model's own module and stays high precision. A routed index equal to ``num_experts`` (HF's
+    "dropped" marker) contributes nothing. ``align`` as in ``Fp8MoE``.
+
+    Example:
+        >>> model = Qwen3MoeForCausalLM(config); fp8func.convert(model, "rowwise")   # swaps mlp.experts
+    """
+
+    def __init__(self, experts: nn.Module, recipe: Recipe | str = "rowwise", align: int | None = None):
+        super().__init__()
+        if not is_fused_experts(experts):
+            raise TypeError(f"Fp8Experts: {type(experts).__name__} is not a fused experts module (3-D gate_up_proj "
+                            "[E, 2F, H] and down_proj [E, H, F], act_fn); use Fp8MoE for fp8func.nn.MoE.")
+        self.gate_up_proj, self.down_proj, self.act_fn = experts.gate_up_proj, experts.down_proj, experts.act_fn
+        self.num_experts = self.gate_up_proj.shape[0]
+        self.recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
+        self.align = align
+
+    def _experts(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        gate, up = grouped_linear(x, self.gate_up_proj, offs, self.recipe).chunk(2, dim=-1)
+        return grouped_linear(self.act_fn(gate) * up, self.down_proj, offs, self.recipe)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        t, h = hidden_states.shape
+        k = top_k_index.shape[-1]
+        dropped = top_k_index >= self.num_experts
+        ids = top_k_index.masked_fill(dropped, 0)
+        weights = top_k_weights.masked_fill(dropped, 0)
+        order, counts = _sort_by_expert(ids, self.num_experts)
+        x = hidden_states[order // k]
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        align = self.align if self.align is not None else (16 if x.is_cuda else 1)
+        if align == 1:
+            y = self._experts(x, offs)
+        else:
+            index, offs_aligned, rows = align_groups(offs, align)
+            y = self._experts(x.new_zeros((rows, h)).index_copy(0, index, x), offs_aligned)[index]
+        y = torch.empty_like(y).index_copy(0, order, y).view(t, k, h)  # back to (token, choice) order
+        return (y.float() * weights.unsqueeze(-1).float()).sum(1).to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        e, f2, h = self.gate_up_proj.shape
+        return f"num_experts={e}, hidden={h}, expert_dim={f2 // 2}, recipe={self.recipe.name}"
