@@ -51,6 +51,7 @@ from . import distributed as distributed
 from . import nn as nn
 from .nn import convert as convert
 from .nn import report as report
+from .nn import PrecisionSchedule as PrecisionSchedule
 from .nn import verify as verify
 from .distributed import precompute_scales as precompute_scales
 
@@ -77,6 +78,7 @@ __all__ = [
     "grouped_gemm_path",
     "grouped_linear",
     "quantize_jagged",
+    "PrecisionSchedule",
     "Recipe",
     "Sharding",
     "TensorWise",

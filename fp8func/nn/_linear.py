@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -35,6 +36,7 @@ class Fp8Linear(nn.Linear):
     """
 
     _STATE = ("x", "w", "dy")
+    fp8_enabled = True  # False: plain F.linear in high precision (PrecisionSchedule's bf16 phases)
     amax_sharding = None  # delayed scaling: how the tokens are split over ranks (share_scaling_state)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
@@ -98,6 +100,11 @@ class Fp8Linear(nn.Linear):
         w = self.weight
         local = w._local_tensor if isinstance(w, DTensor) else w
         w_casts = gathered_casts(w)
+        if not self.fp8_enabled:
+            if w_casts is not None:
+                raise RuntimeError("fp8func: a high-precision phase reached a layer whose weight FSDP2 gathered in "
+                                   "FP8; convert with fsdp_fp8_all_gather=False to schedule precisions.")
+            return F.linear(x, w, self.bias)
         if w_casts is not None and "w" not in local.valid:
             raise RuntimeError(
                 "fp8func: this layer's forward ran while FSDP2 held only its backward (grad_input) "
