@@ -163,6 +163,9 @@ def test_state_dict_of_fp8_all_gather_weights_saves_plain_tensors():
     loaded = torch.load(buf, weights_only=True)
     w = loaded["model.layers.0.mlp.up_proj.weight"]
     assert type(w) is torch.Tensor and torch.equal(w, model.model.layers[0].mlp.up_proj.weight._tensor)
+    # distinct, real addresses: code that keys parameters by data_ptr() (accelerate) tells them apart
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    assert len(set(ptrs)) == len(ptrs) and 0 not in ptrs
     fresh = f8.convert(tiny_qwen3(layers=1, seed=1), "rowwise")
     fresh.load_state_dict(loaded)
     assert isinstance(fresh.model.layers[0].mlp.up_proj.weight, Fp8AllGatherWeight)

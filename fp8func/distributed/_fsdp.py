@@ -97,6 +97,12 @@ class Fp8AllGatherWeight(torch.Tensor):
     def __repr__(self):
         return f"Fp8AllGatherWeight({self._tensor!r}, recipe={self._recipe.name})"
 
+    def data_ptr(self) -> int:
+        # The wrapped tensor's address. A wrapper subclass has no storage, so the default is 0 for
+        # every such weight, and code that keys parameters by data_ptr() (accelerate re-points the
+        # optimizer at the FSDP2-sharded parameters that way) mapped all of them to one slot.
+        return self._tensor.data_ptr()
+
     def __reduce_ex__(self, protocol):
         # Saved (torch.save, DCP) as the plain high-precision tensor it is: checkpoints load with
         # weights_only=True, without fp8func, into any model; loading into an Fp8Linear copies

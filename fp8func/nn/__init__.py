@@ -10,9 +10,11 @@ from ._moe import Fp8Experts as Fp8Experts
 from ._moe import Fp8MoE as Fp8MoE
 from ._moe import Router as Router
 from ._schedule import PrecisionSchedule as PrecisionSchedule
+from ._stats import NumericsStats as NumericsStats
+from ._stats import tensor_stats as tensor_stats
 from ._verify import LayerCheck as LayerCheck
 from ._verify import Verification as Verification
 from ._verify import verify as verify
 
-__all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MoE", "PrecisionSchedule", "Report", "Router", "Verification",
-           "convert", "report", "verify"]
+__all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MoE", "NumericsStats",
+           "PrecisionSchedule", "Report", "Router", "Verification", "convert", "report", "tensor_stats", "verify"]
