@@ -103,3 +103,16 @@ def test_the_guide_cites_tests_that_exist():
             assert current is not None and f"def {name[2:]}(" in current.read_text(), (current, name)
             checked += 1
     assert checked >= 15, checked
+
+
+def test_api_reference_lists_every_public_name():
+    """docs/api.md (python docs/make_api.py) has an entry for every name in the public __all__s."""
+    import pathlib
+
+    import fp8func.kernels as kernels
+
+    api = (pathlib.Path(__file__).parents[1] / "docs" / "api.md").read_text()
+    for prefix, mod in (("fp8func", f8), ("fp8func.nn", f8.nn), ("fp8func.distributed", f8.distributed),
+                        ("fp8func.kernels", kernels)):
+        missing = [n for n in mod.__all__ if f"### `{prefix}.{n}" not in api]
+        assert not missing, f"docs/api.md lacks {missing}: run python docs/make_api.py"
