@@ -11,6 +11,7 @@ import torch
 
 import fp8func as f8
 
+from ._linear import torchao_linear
 from ._timing import median_ms
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
@@ -32,13 +33,11 @@ def _convert(layer, impl: str, recipe: str):
     if impl == "fp8func":
         return f8.convert(layer, recipe, fsdp_fp8_all_gather=False)
     if impl == "torchao":
-        if recipe == "blockwise":
-            from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
-
+        if recipe == "blockwise":  # a per-layer swap: torchao's convert has no blockwise config
             for parent in [layer.self_attn, layer.mlp]:
                 for name, child in list(parent.named_children()):
                     if isinstance(child, torch.nn.Linear):
-                        setattr(parent, name, Float8BlockwiseLinear.from_float(child))
+                        setattr(parent, name, torchao_linear(child, "blockwise"))
             return layer
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
