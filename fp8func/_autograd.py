@@ -124,23 +124,31 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, recipe: Recipe, w_data, w_scale, wt_data, wt_scale,
-                x_data=None, x_scale=None, xt_data=None, xt_scale=None):
+                x_data=None, x_scale=None, xt_data=None, xt_scale=None, transposes=(False, False)):
+        # ``transposes`` (for x, for w): also write the operand's fp8 copy transposed, in the same
+        # pass as its forward cast, for the backward GEMM that contracts over its other axis (see
+        # ``_forward_transposes``). The backward then reads it as the column-major operand
+        # scaled_mm wants, instead of transposing fp8 bytes itself.
+        x_t = w_t = None
         if x_data is None:
-            qx = _cast(x.reshape(-1, x.shape[-1]), recipe.input)[0]
+            qx, x_t = _cast(x.reshape(-1, x.shape[-1]), recipe.input, transpose=transposes[0])
         else:
             qx = Fp8Tensor(x_data.view_as(x_data), x_scale.view_as(x_scale), Fp8Meta(recipe.input, x.dtype))
         if w_data is None:
-            qw = _cast(weight, recipe.weight)[0]  # [N, K], contraction last
+            qw, w_t = _cast(weight, recipe.weight, transpose=transposes[1])  # [N, K], contraction last
         else:
             # Views, not the inputs themselves: autograd.Function outputs that are saved must not
             # be inputs returned as they are.
             qw = Fp8Tensor(w_data.view_as(w_data), w_scale.view_as(w_scale), Fp8Meta(recipe.weight, weight.dtype))
         y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path)
+        qx = qx if x_t is None else x_t  # what the backward reads
+        qw = qw if w_t is None else w_t
         return y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, recipe, _, _, wt_data, wt_scale, x_data, _, xt_data, xt_scale = (inputs + (None,) * 4)[:12]
+        x, weight, bias, recipe, _, _, wt_data, wt_scale, x_data, _, xt_data, xt_scale, transposes = (
+            inputs + (None,) * 8 + ((False, False),))[:13]
         _, qx_data, qx_scale, qw_data, qw_scale = output
         ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale)
         ctx.recipe = recipe
@@ -149,6 +157,10 @@ class _LinearFn(torch.autograd.Function):
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.reuse_x = not recipe.grad_weight_hp and _transpose_invariant(recipe.input)
         ctx.reuse_w = recipe.grad_input_weight is None and _transpose_invariant(recipe.weight)
+        # The saved fp8 copy is the transposed one ([K, M] / [K, N], row-major) when the forward made it.
+        # The saved fp8 copy is the transposed one ([K, M] / [K, N], row-major) when the forward made it.
+        ctx.x_saved_t = ctx.reuse_x and x_data is None and transposes[0]
+        ctx.w_saved_t = ctx.reuse_w and wt_data is None and transposes[1] and inputs[4] is None
         ctx.given_wt = wt_data is not None
         ctx.given_xt = xt_data is not None
         if x_data is not None and not (ctx.reuse_x or ctx.given_xt):
@@ -174,7 +186,9 @@ class _LinearFn(torch.autograd.Function):
             qdy, qdy_t = _cast(dy2, recipe.grad_output, transpose=fp8_dw)
         if ctx.needs_input_grad[0]:
             qdy = dy_casts["dy"] if dy_casts else qdy
-            if ctx.reuse_w:
+            if ctx.w_saved_t:
+                b = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype)).t()  # [N, K], column-major
+            elif ctx.reuse_w:
                 b = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype))  # [N, K]
             elif ctx.given_wt:
                 b = Fp8Tensor(w_a, w_b, Fp8Meta(weight_casts(recipe)[1][1], ctx.w_dtype))
@@ -188,7 +202,9 @@ class _LinearFn(torch.autograd.Function):
             else:
                 if dy_casts is not None:
                     qdy_t = dy_casts.get("dy_t", dy_casts["dy"]).t()
-                if ctx.reuse_x:
+                if ctx.x_saved_t:
+                    b = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype)).t()  # [M, K], column-major
+                elif ctx.reuse_x:
                     b = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype))
                 elif ctx.given_xt:
                     b = Fp8Tensor(x_a, x_b, Fp8Meta(activation_casts(recipe)[1][1], ctx.x_dtype))
@@ -198,7 +214,7 @@ class _LinearFn(torch.autograd.Function):
             dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
     @staticmethod
     def vmap(info, in_dims, x, weight, bias, recipe, *casts):
@@ -208,7 +224,7 @@ class _LinearFn(torch.autograd.Function):
             return t if t is None or d is None else t.select(d, i)
 
         dims = in_dims[:3]
-        if any(d is not None for d in in_dims[4:]):
+        if any(d is not None for d in torch.utils._pytree.tree_leaves(in_dims[4:])):
             raise ValueError("fp8func.linear: vmap over pre-gathered weight casts is not supported.")
         outs = [
             _LinearFn.apply(*(pick(t, d, i) for t, d in zip((x, weight, bias), dims)), recipe, *casts)
@@ -281,6 +297,24 @@ def linear_delayed(
     return y, LinearScalingState(ScalingState(xh, xs), ScalingState(wh, ws), state.grad_output)
 
 
+def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, x_given: bool, w_given: bool):
+    """(x, w): whether the forward writes the operand's transposed fp8 copy for the backward.
+
+    Only for casts that serve both GEMMs (transpose-invariant: tensorwise, square blocks) and go
+    through the fused kernels, which write both copies from one read of the operand; only when
+    the backward GEMM that reads the copy will run (grad_weight reads x's, grad_input w's). The
+    values are the same bits either way; the copy replaces a transpose of fp8 bytes in the backward.
+    """
+    if not torch.is_grad_enabled():
+        return False, False
+    x2 = x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x
+    want_x = (weight.requires_grad and not x_given and not recipe.grad_weight_hp
+              and _transpose_invariant(recipe.input) and _use_kernels(x2, recipe.input))
+    want_w = (x.requires_grad and not w_given and recipe.grad_input_weight is None
+              and _transpose_invariant(recipe.weight) and _use_kernels(weight, recipe.weight))
+    return bool(want_x), bool(want_w)
+
+
 def _check_gemm_shapes(recipe: Recipe, m: int, k: int, n: int) -> None:
     """Fails in the forward, not halfway through the backward, if a cast cannot tile an operand."""
     operands = [(recipe.input, (m, k), "input x"), (recipe.weight, (n, k), "weight w"),
@@ -348,7 +382,8 @@ def linear(
     if state is not None:
         raise ValueError(f"linear: state= is for delayed scaling, but recipe {recipe.name!r} scales dynamically; "
                          "use recipe='delayed' or drop the state.")
-    return _LinearFn.apply(x, weight, bias, recipe, None, None, None, None, None, None, None, None)[0]
+    transposes = _forward_transposes(x, weight, recipe, False, False)
+    return _LinearFn.apply(x, weight, bias, recipe, None, None, None, None, None, None, None, None, transposes)[0]
 
 
 def linear_with_casts(
@@ -377,4 +412,6 @@ def linear_with_casts(
         a, b = group[first], group.get(second)
         return [a.data, a.scale, None if b is None else b.data, None if b is None else b.scale]
 
-    return _LinearFn.apply(x, weight, bias, recipe, *leaves(casts, "w", "w_t"), *leaves(x_casts, "x", "x_t"))[0]
+    transposes = _forward_transposes(x, weight, recipe, x_casts is not None, casts is not None)
+    return _LinearFn.apply(x, weight, bias, recipe, *leaves(casts, "w", "w_t"), *leaves(x_casts, "x", "x_t"),
+                           transposes)[0]

@@ -185,7 +185,7 @@ def test_linear_through_the_kernel_twins_is_bitwise_the_plain_casts(recipe, monk
 
     calls = []
     orig = kernels.quantize
-    monkeypatch.setattr(kernels, "quantize", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    monkeypatch.setattr(kernels, "quantize", lambda *a, **k: calls.append(k.get("transpose", False)) or orig(*a, **k))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 128, 256, generator=g).bfloat16()
     w = torch.randn(384, 256, generator=g) / 16
@@ -199,5 +199,9 @@ def test_linear_through_the_kernel_twins_is_bitwise_the_plain_casts(recipe, monk
         runs[mode] = (y, xx.grad, ww.grad)
     # x, w and dy (with its transpose) go through the kernels; MX has no kernel
     assert len(calls) == (0 if recipe == "mxfp8" else 3), calls
+    # Transposed copies: dy always (grad_weight); x and w in the forward where one cast serves
+    # both of their GEMMs (tensorwise, 128x128 weight blocks), so the backward reads them as is.
+    transposed = {"tensorwise": 3, "rowwise": 1, "blockwise": 2}.get(recipe, 0)
+    assert sum(calls) == transposed, calls
     for a, b in zip(runs["off"], runs["reference"]):
         assert torch.equal(a, b)
