@@ -8,6 +8,8 @@ step, share). The rows are the evidence for where a gap between implementations 
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -34,11 +36,20 @@ def _kernels(step, steps: int = STEPS) -> list[tuple[str, float, float]]:
             t[0] += 1
             t[1] += e.device_time
     rows = [(name, n / steps, us / steps) for name, (n, us) in totals.items()]
-    return sorted(rows, key=lambda r: -r[2])
+    # Host time of a step (Python, guards, autograd, launches): the GPU idles for whatever of it
+    # a step-by-step timing cannot hide behind the previous kernels.
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    host = (time.perf_counter() - t0) / steps * 1e6
+    torch.cuda.synchronize()
+    return sorted(rows, key=lambda r: -r[2]) + [("(host time per step, not a kernel)", 0, host)]
 
 
 def run(shapes=((16384, 4096, 4096),), recipes=("tensorwise",), iters: int = 0) -> list[dict]:
     if "grouped" in recipes:
+        print("\n".join(grouped_gemm_times()))
         return run_grouped()
     rows = []
     for m, k, n in shapes:
@@ -61,11 +72,11 @@ def run(shapes=((16384, 4096, 4096),), recipes=("tensorwise",), iters: int = 0) 
 def table(rows: list[dict], top: int = 14) -> str:
     out = []
     for r in rows:
-        total = sum(us for _, _, us in r["kernels"])
+        total = sum(us for _, calls, us in r["kernels"] if calls)
         m, k, n = r["shape"]
         out += [f"\n{m}x{k}x{n} {r['impl']} {r['recipe']}: {total:.0f} us of GPU kernels per step",
                 "| kernel | calls/step | us/step | share |", "|---|---|---|---|"]
-        for name, calls, us in r["kernels"][:top]:
+        for name, calls, us in r["kernels"][:-1][:top] + r["kernels"][-1:]:
             out.append(f"| {name[:90]} | {calls:g} | {us:.1f} | {us / total:.0%} |")
     return "\n".join(out)
 
@@ -86,3 +97,34 @@ def run_grouped(tokens: int = 16384) -> list[dict]:
         rows.append({"shape": (m, k, n), "impl": impl, "recipe": "grouped rowwise", "kernels": _kernels(step)})
         torch.compiler.reset()
     return rows
+
+
+def grouped_gemm_times(tokens: int = 16384, iters: int = 20) -> list[str]:
+    """Each GEMM of the grouped fwd+bwd alone (operands cast beforehand): bf16 vs FP8, median ms."""
+    from .._grouped import grouped_gemm, quantize_jagged
+    from .._ops import quantize
+    from .._scaling import Recipe
+    from . import _grouped as g
+    from ._timing import median_ms
+
+    m, k, n, e = tokens * g.TOP_K, g.HIDDEN, g.EXPERT_DIM, g.EXPERTS
+    offs = g.group_offsets(m, e, 0.0, "cuda")
+    r = Recipe.from_name("rowwise")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    qx, qw, qdy = quantize(x, r.input), quantize(w, r.weight).transpose(1, 2), quantize(dy, r.grad_output)
+    qw_n = quantize(w.transpose(1, 2), r.weight_for_grad_input).transpose(1, 2)
+    qdy_t, qx_j = quantize_jagged(dy, offs, r.grad_output).t(), quantize_jagged(x, offs, r.input)
+    cases = [
+        ("forward x @ w.T", lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
+         lambda: grouped_gemm(qx, qw, offs)),
+        ("grad_input dy @ w", lambda: torch._grouped_mm(dy, w, offs=offs), lambda: grouped_gemm(qdy, qw_n, offs)),
+        ("grad_weight dy.T @ x", lambda: torch._grouped_mm(dy.t(), x, offs=offs), lambda: grouped_gemm(qdy_t, qx_j, offs)),
+    ]
+    lines = [f"{m}x{k}x{n}, {e} experts", "| GEMM | bf16 ms | fp8 ms (with operand layout copies) | fp8 vs bf16 |",
+             "|---|---|---|---|"]
+    for name, bf16, fp8 in cases:
+        b, f = median_ms(bf16, iters=iters), median_ms(fp8, iters=iters)
+        lines.append(f"| {name} | {b:.3f} | {f:.3f} | {b / f:.2f}x |")
+    return lines
