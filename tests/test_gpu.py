@@ -133,3 +133,35 @@ def test_linear_with_triton_kernels_is_bitwise_the_plain_casts(recipe, compiled,
         runs[mode] = (y, xx.grad, ww.grad)
     for a, b in zip(runs["off"], runs["auto"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_grouped_linear_on_gpu_hardware_vs_emulated(compiled):
+    """The row-wise FP8 grouped GEMMs (``torch._scaled_grouped_mm``) against the emulated twin:
+    the same casts (bitwise, CUDA vs CPU), values and both gradients close; compiled == eager."""
+    from fp8func._grouped import grouped_gemm_path, quantize_jagged
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [64, 0, 16, 176, 48, 208]  # multiples of 16 (the kernel's grad_weight contract), one empty
+    offs = torch.cumsum(torch.tensor(sizes, device="cuda"), 0, dtype=torch.int32)
+    x = torch.randn(sum(sizes), 256, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(len(sizes), 128, 256, device="cuda", generator=g) / 16).bfloat16()
+    dy = torch.randn(sum(sizes), 128, device="cuda", generator=g).bfloat16()
+    spec = f8.Recipe.from_name("rowwise").input
+    q_gpu, q_cpu = quantize_jagged(x, offs, spec), quantize_jagged(x.cpu(), offs.cpu(), spec)
+    assert torch.equal(q_gpu.scale.cpu(), q_cpu.scale)
+    assert torch.equal(q_gpu.data.cpu().view(torch.uint8), q_cpu.data.view(torch.uint8))
+    assert grouped_gemm_path(f8.quantize(x, spec), f8.quantize(w, spec).transpose(1, 2)) == "scaled_grouped_mm"
+    runs = {}
+    for recipe in (f8.Recipe.from_name("rowwise"), f8.Recipe.from_name("rowwise", path="emulated")):
+        fn = lambda x, w: f8.grouped_linear(x, w, offs, recipe)  # noqa: E731
+        fn = torch.compile(fn, fullgraph=True) if compiled else fn
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xx, ww)
+        y.backward(dy)
+        runs[recipe.path] = (y, xx.grad, ww.grad)
+        torch._dynamo.reset()
+    for hw, em in zip(runs["auto"], runs["emulated"]):
+        assert torch.isfinite(hw).all()
+        assert f8.sqnr(em.double(), hw.double()) > 40, f8.sqnr(em.double(), hw.double())
+    assert not runs["auto"][2][1].any()  # the empty group's weight gradient is exactly zero
