@@ -159,13 +159,13 @@ class _LinearFn(torch.autograd.Function):
         ctx.reuse_w = recipe.grad_input_weight is None and _transpose_invariant(recipe.weight)
         # The saved fp8 copy is the transposed one ([K, M] / [K, N], row-major) when the forward made it.
         # The saved fp8 copy is the transposed one ([K, M] / [K, N], row-major) when the forward made it.
-        ctx.x_saved_t = ctx.reuse_x and x_data is None and transposes[0]
+        ctx.x_saved_t = x_data is None and transposes[0] and not recipe.grad_weight_hp
         ctx.w_saved_t = ctx.reuse_w and wt_data is None and transposes[1] and inputs[4] is None
         ctx.given_wt = wt_data is not None
         ctx.given_xt = xt_data is not None
         if x_data is not None and not (ctx.reuse_x or ctx.given_xt):
             raise ValueError(f"linear: recipe {recipe.name!r} needs the input itself or its 'x_t' cast in the backward.")
-        ctx.save_for_backward(*_for_backward(ctx.reuse_x, (qx_data, qx_scale), (xt_data, xt_scale), x),
+        ctx.save_for_backward(*_for_backward(ctx.reuse_x or ctx.x_saved_t, (qx_data, qx_scale), (xt_data, xt_scale), x),
                               *_for_backward(ctx.reuse_w, (qw_data, qw_scale), (wt_data, wt_scale), weight))
 
     @staticmethod
@@ -300,16 +300,19 @@ def linear_delayed(
 def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, x_given: bool, w_given: bool):
     """(x, w): whether the forward writes the operand's transposed fp8 copy for the backward.
 
-    Only for casts that serve both GEMMs (transpose-invariant: tensorwise, square blocks) and go
-    through the fused kernels, which write both copies from one read of the operand; only when
+    Only for casts that go through the fused kernels, which write both copies from one read of
+    the operand: casts that serve both GEMMs (transpose-invariant: tensorwise, square blocks),
+    and 1x128 input blocks, whose 128x1 grad_weight cast then comes from the same tiles (saved
+    in fp8 instead of the high-precision input: half the activation memory). Only when
     the backward GEMM that reads the copy will run (grad_weight reads x's, grad_input w's). The
     values are the same bits either way; the copy replaces a transpose of fp8 bytes in the backward.
     """
     if not torch.is_grad_enabled():
         return False, False
     x2 = x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x
+    one_pass = _transpose_invariant(recipe.input) or recipe.input.granularity == BlockWise((1, 128))
     want_x = (weight.requires_grad and not x_given and not recipe.grad_weight_hp
-              and _transpose_invariant(recipe.input) and _use_kernels(x2, recipe.input))
+              and one_pass and _use_kernels(x2, recipe.input))
     want_w = (x.requires_grad and not w_given and recipe.grad_input_weight is None
               and _transpose_invariant(recipe.weight) and _use_kernels(weight, recipe.weight))
     return bool(want_x), bool(want_w)
