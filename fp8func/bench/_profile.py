@@ -18,6 +18,7 @@ import fp8func as f8
 from ._linear import _fwd_bwd, _linear, torchao_linear
 
 STEPS = 5
+HOST_TABLES: list[str] = []  # CPU-side profile of each implementation's step, in run order
 
 
 def _kernels(step, steps: int = STEPS) -> list[tuple[str, float, float]]:
@@ -44,6 +45,11 @@ def _kernels(step, steps: int = STEPS) -> list[tuple[str, float, float]]:
         step()
     host = (time.perf_counter() - t0) / steps * 1e6
     torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    HOST_TABLES.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
     return sorted(rows, key=lambda r: -r[2]) + [("(host time per step, not a kernel)", 0, host)]
 
 
@@ -78,6 +84,8 @@ def table(rows: list[dict], top: int = 14) -> str:
                 "| kernel | calls/step | us/step | share |", "|---|---|---|---|"]
         for name, calls, us in r["kernels"][:-1][:top] + r["kernels"][-1:]:
             out.append(f"| {name[:90]} | {calls:g} | {us:.1f} | {us / total:.0%} |")
+    for r, host in zip(rows, HOST_TABLES):
+        out += [f"\nhost side of {r['impl']} {r['recipe']} ({STEPS} steps):", host]
     return "\n".join(out)
 
 
