@@ -132,6 +132,11 @@ def grouped_gemm_times(tokens: int = 16384, iters: int = 20) -> list[str]:
     ]
     lines = [f"{m}x{k}x{n}, {e} experts", "| GEMM | bf16 ms | fp8 ms (with operand layout copies) | fp8 vs bf16 |",
              "|---|---|---|---|"]
+    sa, sb = qx.scale.reshape(-1).contiguous(), qw.scale.expand(e, 1, n).reshape(e, n).contiguous()
+    cases.append(("forward, kernel alone, use_fast_accum=True", cases[0][1], lambda: torch._scaled_grouped_mm(
+        qx.data, qw.data, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True)))
+    cases.append(("forward, kernel alone, use_fast_accum=False", cases[0][1], lambda: torch._scaled_grouped_mm(
+        qx.data, qw.data, sa, sb, offs=offs, out_dtype=torch.bfloat16)))
     for name, bf16, fp8 in cases:
         b, f = median_ms(bf16, iters=iters), median_ms(fp8, iters=iters)
         lines.append(f"| {name} | {b:.3f} | {f:.3f} | {b / f:.2f}x |")
