@@ -150,6 +150,21 @@ def test_state_dict_round_trip_stages_the_values():
     assert torch.equal(b(input_ids=ids, labels=labels).loss, a(input_ids=ids, labels=labels).loss)
 
 
+def test_memory_bench_logic_on_cpu():
+    # The GPU benchmark's measurement (python -m fp8func.bench memory) on a tiny Llama, counting storages.
+    from fp8func.bench import _memory
+
+    tiny = dict(_memory.LLAMA_1B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=512,
+                num_attention_heads=4, num_key_value_heads=4)
+    rows = {r["weights"]: r for r in _memory.run(recipes=("tensorwise", "rowwise"), config=tiny, device="cpu")}
+    bf16, tw, rw = rows["bf16"], rows["fp8 tensorwise"], rows["fp8 rowwise"]
+    linear = 2 * (4 * 256 * 256 + 3 * 256 * 512) + 512 * 256  # the converted weights: 2 layers + lm_head
+    scales = 15 * 4  # one fp32 scale each
+    assert tw["param_bytes"] == bf16["param_bytes"] - 2 * linear + linear + scales  # 1 byte/element, not 2
+    assert rw["param_bytes"] > bf16["param_bytes"]  # two payloads (2 bytes/element) and row/column scales
+    assert "| fp8 tensorwise |" in _memory.table(list(rows.values()))
+
+
 # ---- FSDP2, 2 processes -----------------------------------------------------------------------
 
 def _train(rank, world_size, recipe, mode, steps, reshard=True, weights="fp32-master", meta=False):
