@@ -70,7 +70,9 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 
 
 class Fp8WeightParam(_GatherHooks, torch.Tensor):
-    """A weight kept in FP8 (payloads + scales), sharded by FSDP2; see the module docstring.
+    """A weight stored in FP8 (payloads + scales, no high-precision copy) that FSDP2 shards and
+    all-gathers in 8 bits; writes are staged and quantized at the next all-gather. More in the
+    module docstring and docs/fp8_weights.md.
 
     Build it with ``convert(model, recipe, fp8_weights=True)``; train it with
     ``fp8func.nn.MasterWeights`` (the optimizer updates a high-precision master copy and the
@@ -83,29 +85,33 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
     """
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, recipe: Recipe, *, _state: State | None = None, _meta=None):
-        shape, dtype, device = (tuple(tensor.shape), tensor.dtype, tensor.device) if _meta is None else _meta
-        return torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=_contiguous_strides(shape), dtype=dtype, device=device,
-            requires_grad=False if _meta is not None else tensor.requires_grad,
-        )
+    def __new__(cls, tensor: torch.Tensor, recipe: Recipe):
+        return cls._make(tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad)
 
-    def __init__(self, tensor: torch.Tensor, recipe: Recipe, *, _state: State | None = None, _meta=None):
-        if _state is None:
-            if tensor.ndim != 2 or not tensor.is_floating_point() or tensor.dtype.itemsize == 1:
-                raise ValueError(f"Fp8WeightParam: expected a 2-D high-precision weight [N, K], got shape "
-                                 f"{tuple(tensor.shape)} and dtype {tensor.dtype}.")
-            check_fp8_weights_recipe(recipe)
-            _state = State(staged=tensor.detach())
+    def __init__(self, tensor: torch.Tensor, recipe: Recipe):
+        if tensor.ndim != 2 or not tensor.is_floating_point() or tensor.dtype.itemsize == 1:
+            raise ValueError(f"Fp8WeightParam: expected a 2-D high-precision weight [N, K], got shape "
+                             f"{tuple(tensor.shape)} and dtype {tensor.dtype}.")
+        check_fp8_weights_recipe(recipe)
+        self._init(recipe, State(staged=tensor.detach()))
+
+    @classmethod
+    def _make(cls, shape, dtype, device, requires_grad=False) -> "Fp8WeightParam":
+        return torch.Tensor._make_wrapper_subclass(cls, shape, strides=_contiguous_strides(shape), dtype=dtype,
+                                                   device=device, requires_grad=requires_grad)
+
+    def _init(self, recipe: Recipe, state: State) -> None:
         self._recipe = recipe
-        self._state = _state
+        self._state = state
         self._fsdp_group = None  # weakrefs to FSDP2's (param group, FSDPParam), found at the first all-gather
         self._n_slots: int | None = None
 
     @classmethod
     def _wrap(cls, recipe: Recipe, state: State, shape, dtype: torch.dtype, device) -> "Fp8WeightParam":
         """A wrapper of ``shape`` / ``dtype`` / ``device`` around ``state`` (shared, not copied)."""
-        return cls(None, recipe, _state=state, _meta=(tuple(shape), dtype, torch.device(device)))
+        out = cls._make(tuple(shape), dtype, torch.device(device))
+        out._init(recipe, state)
+        return out
 
     # ---- the values -------------------------------------------------------------------------
 
