@@ -7,6 +7,7 @@ quantize ``master.to(bf16)`` with the mesh-reduced amax), moves the same all-gat
 keep the type, writes are staged (never quantized with a local amax), meta-device init works.
 """
 
+import copy
 import io
 
 import pytest
@@ -47,6 +48,9 @@ def test_structural_ops_keep_the_type_and_split_payloads_with_the_rows():
     padded.narrow(0, 0, 128).copy_(bottom)
     assert torch.equal(padded.narrow(0, 0, 128).dequantize(), w.dequantize()[128:])
     assert type(w.detach()) is Fp8WeightParam and type(w.clone()) is Fp8WeightParam
+    twin = copy.deepcopy(nn.Parameter(w))
+    assert type(twin) is Fp8WeightParam and twin._state is not w._state
+    assert torch.equal(twin.dequantize(), w.dequantize())
     assert type(w.to(torch.bfloat16)) is Fp8WeightParam and w.to(torch.bfloat16).dtype == torch.bfloat16
     assert type(torch.empty_like(w, device="meta")) is Fp8WeightParam
     assert type(w * 2) is torch.Tensor and torch.equal(w * 2, w.dequantize() * 2)  # other ops: values

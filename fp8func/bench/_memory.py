@@ -84,7 +84,8 @@ def measure(recipe: str | None, config: dict = LLAMA_1B, device: str = "cuda", d
     base = _allocated(device) or 0
     model = build(config, recipe, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    label = {torch.bfloat16: "bf16", torch.float32: "fp32 (bf16 compute: FSDP2 MixedPrecisionPolicy)"}.get(dtype, str(dtype))
+    labels = {torch.bfloat16: "bf16", torch.float32: "fp32 (bf16 compute: FSDP2 MixedPrecisionPolicy)"}
+    label = labels.get(dtype, str(dtype))
     row = {"weights": label if recipe is None else f"fp8 {recipe}", "params": n_params,
            "param_bytes": tensor_bytes(list(model.parameters()) + list(model.buffers()))}
     if cuda:

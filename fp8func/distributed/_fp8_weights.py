@@ -36,6 +36,8 @@ only for FSDP2's structural copies).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.distributed.tensor import Shard
 
@@ -137,8 +139,13 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
         return self._state.sharding
 
     def dequantize(self) -> torch.Tensor:
-        """The high-precision values (a plain tensor of the advertised dtype): the staged ones, or
-        the forward cast dequantized."""
+        """The high-precision values, a new plain tensor of the advertised dtype: the staged ones,
+        or the forward cast dequantized."""
+        values = self._values()
+        return values.clone() if values is self._state.staged else values
+
+    def _values(self) -> torch.Tensor:
+        """``dequantize()`` without the copy: the staged tensor itself when there is one."""
         state = self._state
         if state.staged is not None:
             return state.staged
@@ -168,8 +175,11 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
     def quantize_staged(self, param_dtype: torch.dtype, sharding: tuple[Sharding, ...] = ()) -> None:
         """Quantizes the staged values (cast to ``param_dtype``; amax reduced over ``sharding``).
 
-        Collective when ``sharding`` is not empty: every rank of those meshes must call it.
+        Collective when ``sharding`` is not empty: every rank of those meshes must call it. A
+        no-op when nothing is staged.
         """
+        if self._state.staged is None:
+            return
         values = self._state.staged.to(param_dtype)
         casts = {name: quantize(values, spec, sharding=sharding or None)
                  for name, spec in weight_casts(self._recipe)}
@@ -183,7 +193,7 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
         """
         if self._state.staged is not None:
             with torch.no_grad():
-                self.quantize_staged(self._state.param_dtype or self.dtype, self._state.sharding or ())
+                self.quantize_staged(self._state.param_dtype or self.dtype, ())
         if self._state.casts is None:
             raise RuntimeError(SHELL_MSG)
         return self._state.casts
@@ -257,10 +267,23 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
             next(iter(state.casts.values())).data if state.casts else None
         return 0 if inner is None else inner.data_ptr()
 
+    def __deepcopy__(self, memo):
+        # Tensor.__deepcopy__ takes a non-zero data_ptr() for a tensor with storage; this one has
+        # none of its own. A deep copy is a clone (new state, cloned payloads) with the same flags.
+        if id(self) not in memo:
+            with torch.no_grad():
+                out = self.clone()
+            out.requires_grad_(self.requires_grad)
+            for key, value in self.__dict__.items():
+                if key not in ("_state", "_fsdp_group"):
+                    setattr(out, key, copy.deepcopy(value, memo))
+            memo[id(self)] = out
+        return memo[id(self)]
+
     def __reduce_ex__(self, protocol):
         # Saved (torch.save) as the plain high-precision tensor: loadable with weights_only=True,
         # without fp8func; loading it into a converted model stages the values (copy_).
-        return self.dequantize().detach().clone().__reduce_ex__(protocol)
+        return self.dequantize().detach().__reduce_ex__(protocol)
 
     # ---- FSDP2 ------------------------------------------------------------------------------
 

@@ -114,9 +114,9 @@ def _view(cls, self, size, *rest, **kwargs):
 
 
 def _slice(cls, self, dim=0, start=None, end=None, step=1):
-    n = self.shape[0]
-    if dim % 2 != 0 or step != 1:
+    if self.dim() != 2 or dim % 2 != 0 or step != 1:
         return NotImplemented
+    n = self.shape[0]
     start = 0 if start is None else (start + n if start < 0 else start)
     end = n if end is None else (end + n if end < 0 else end)
     start, end = min(max(start, 0), n), min(max(end, start), n)
@@ -124,6 +124,8 @@ def _slice(cls, self, dim=0, start=None, end=None, step=1):
 
 
 def _split_with_sizes(cls, self, sizes, dim=0):
+    if self.dim() != 2:
+        return NotImplemented
     if dim % 2 != 0:
         raise NotImplementedError(
             f"fp8func: splitting an fp8 weight of shape {tuple(self.shape)} along dim 1 (FSDP2 Shard(1) or a "
@@ -138,6 +140,8 @@ def _split_with_sizes(cls, self, sizes, dim=0):
 
 
 def _split(cls, self, split_size, dim=0):
+    if self.dim() != 2:
+        return NotImplemented
     n = self.shape[dim]
     sizes = [min(split_size, n - i) for i in range(0, n, split_size)] if split_size else [n]
     return _split_with_sizes(cls, self, sizes or [0], dim)
@@ -145,7 +149,7 @@ def _split(cls, self, split_size, dim=0):
 
 def _new(cls, self, size, fill, dtype=None, layout=None, device=None, pin_memory=None):
     """``new_zeros`` / ``new_empty`` of rows of this weight (FSDP2's padded shard)."""
-    if len(size) != 2 or size[1] != self.shape[1] or (dtype is not None and dtype != self.dtype):
+    if self.dim() != 2 or len(size) != 2 or size[1] != self.shape[1] or (dtype is not None and dtype != self.dtype):
         return NotImplemented
     m = size[0]
     state = self._state
@@ -283,7 +287,7 @@ def fallback(cls, func, args, kwargs):
 
     def hp(t):
         if id(t) not in values:
-            values[id(t)] = t.dequantize()  # staged: the tensor itself, so writes land in place
+            values[id(t)] = t._values()  # staged: the tensor itself, so writes land in place
         return values[id(t)]
 
     args, kwargs = pytree.tree_map_only(cls, hp, (args, kwargs))

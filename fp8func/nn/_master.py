@@ -156,7 +156,7 @@ def _master_of(p: torch.Tensor, local: Fp8WeightParam, dtype: torch.dtype) -> nn
     """A ``dtype`` copy of the fp8 weight ``p`` (its staged values, or its forward cast
     dequantized), sharded like it."""
     with torch.no_grad():
-        values = local.dequantize().to(dtype, copy=True)
+        values = local._values().to(dtype, copy=True)
         if isinstance(p, DTensor):
             values = DTensor.from_local(values, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                         run_check=False)
