@@ -51,6 +51,7 @@ from . import distributed as distributed
 from . import nn as nn
 from .nn import convert as convert
 from .nn import report as report
+from .nn import MasterWeights as MasterWeights
 from .nn import PrecisionSchedule as PrecisionSchedule
 from .nn import verify as verify
 from .distributed import precompute_scales as precompute_scales
@@ -72,6 +73,7 @@ __all__ = [
     "Fp8Meta",
     "Fp8Tensor",
     "JaggedFp8Tensor",
+    "MasterWeights",
     "align_groups",
     "dequantize_jagged",
     "grouped_gemm",

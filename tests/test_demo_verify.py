@@ -135,9 +135,9 @@ def test_emulated_path_on_a_gpu_fails(monkeypatch):
 def _fsdp_verify(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
-    for gather in (True, False):
+    for gather in (True, False, "fp8_weights"):
         model = tiny_qwen3(hidden=64, intermediate=128, layers=1, heads=4)
-        f8.convert(model, "tensorwise", fsdp_fp8_all_gather=gather)
+        f8.convert(model, "tensorwise", fsdp_fp8_all_gather=gather is not False, fp8_weights=gather == "fp8_weights")
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         fully_shard(model.model.layers[0], mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -148,14 +148,15 @@ def _fsdp_verify(rank, world_size):
 
 def test_verify_under_fsdp2_reports_fp8_all_gathers():
     for out in run_workers(_fsdp_verify, 2):
-        ok, gathers, summary, rows = out[True]
-        assert ok and gathers == 15 and summary.endswith("FSDP2 fp8 all-gathers: 15.")  # 7 x 2 + 1
-        for fqn, row_ok, gemms, all_gather in rows:
-            # forward all-gather, and the backward's re-gather after reshard_after_forward
-            n = 1 if fqn == "lm_head" else 2
-            assert row_ok and gemms == "emulated x3" and all_gather.startswith(f"fp8 x{n}, "), (fqn, all_gather)
-        q = dict((r[0], r[3]) for r in rows)["model.layers.0.self_attn.q_proj"]
-        assert q == "fp8 x2, 4.0 KiB (hp 8.0 KiB)"  # 64x64 weight: 32 rows/rank, 1 byte vs 2 (bf16)
+        for fp8 in (True, "fp8_weights"):  # fp8 all-gather of hp weights, and fp8 weights
+            ok, gathers, summary, rows = out[fp8]
+            assert ok and gathers == 15 and summary.endswith("FSDP2 fp8 all-gathers: 15.")  # 7 x 2 + 1
+            for fqn, row_ok, gemms, all_gather in rows:
+                # forward all-gather, and the backward's re-gather after reshard_after_forward
+                n = 1 if fqn == "lm_head" else 2
+                assert row_ok and gemms == "emulated x3" and all_gather.startswith(f"fp8 x{n}, "), (fqn, all_gather)
+            q = dict((r[0], r[3]) for r in rows)["model.layers.0.self_attn.q_proj"]
+            assert q == "fp8 x2, 4.0 KiB (hp 8.0 KiB)"  # 64x64 weight: 32 rows/rank, 1 byte vs 2 (bf16)
         ok, gathers, summary, rows = out[False]
         assert ok and gathers == 0 and "all-gathers" not in summary
         assert all(all_gather == "high precision" for *_, all_gather in rows)

@@ -37,7 +37,7 @@ from .._qtensor import Fp8Meta, Fp8Tensor
 from .._scaling import Recipe, TensorWise, block_lengths, compute_amax, compute_scale
 from .._sharding import Sharding, reduce_amax
 
-__all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "chunk_sizes", "precompute_scales"]
+__all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "add_all_gather_input", "chunk_sizes", "precompute_scales"]
 
 aten = torch.ops.aten
 log = logging.getLogger("fp8func")
@@ -58,7 +58,62 @@ def chunk_sizes(n: int, world_size: int) -> list[int]:
     return [max(0, min(c, n - r * c)) for r in range(world_size)]
 
 
-class Fp8AllGatherWeight(torch.Tensor):
+class _GatherHooks:
+    """What the FSDP2 fp8 weight types share: which casts travel, the TP sharding, and the
+    unsharded ``Fp8GatheredWeight`` built after the all-gather. Needs ``_n_slots`` and
+    ``_fsdp_group`` attributes (None until the first all-gather)."""
+
+    def _tp_sharding(self) -> tuple[Sharding, ...]:
+        """The TP sharding of the tensor FSDP2 shards (empty when the weight is not a DTensor)."""
+        found = _find_param(self)
+        spec = getattr(found[1], "_unsharded_dtensor_spec", None) if found else None
+        if spec is None:
+            return ()
+        return (Sharding(spec.mesh, tuple(spec.placements)),)
+
+    def _slots(self, module, names: list[str]) -> list[str]:
+        """The casts whose payloads travel in this all-gather.
+
+        One cast: that one. Two (row-wise weights): when FSDP2 reshards after forward, the forward
+        gathers the forward's cast and the backward the grad_input's, into the same buffer (each
+        pass gathers half of bf16's bytes); otherwise both travel in the forward. The count must
+        not change between passes (FSDP2 sizes its buffers once).
+        """
+        if len(names) == 1:
+            return names
+        state, reshard = _fsdp_pass(self, module)
+        want = 1 if (state in ("forward", "backward") and reshard) else 2
+        if self._n_slots is None:
+            self._n_slots = want
+        elif self._n_slots != want:
+            raise RuntimeError(
+                f"fp8func: this row-wise weight was first all-gathered with {self._n_slots} cast(s) "
+                f"per all-gather and now needs {want} (FSDP2 state {state!r}, reshard_after_forward="
+                f"{reshard}): FSDP2 sizes its buffers once, so reshard_after_forward cannot change after "
+                "the first step, and an explicit unshard() outside forward/backward is not supported "
+                "for row-wise fp8 all-gather. Keep the setting fixed or convert with fsdp_fp8_all_gather=False."
+            )
+        if want == 2:
+            return names
+        return [names[0]] if state == "forward" else [names[1]]
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        entries, slots, n = metadata
+        casts = {
+            name: Fp8Tensor(all_gather_outputs[slot][:n].view(meta.spec.dtype), scale, meta)
+            for name, slot, scale, meta in entries
+        }
+        if out is not None:
+            target = out._local_tensor if isinstance(out, DTensor) else out
+            if not isinstance(target, Fp8GatheredWeight):
+                raise RuntimeError(f"fp8func: FSDP2 passed out={type(target).__name__}; expected an Fp8GatheredWeight.")
+            target.set_casts(casts, slots)
+            return None
+        shape = (n, all_gather_outputs[0].shape[-1])
+        return Fp8GatheredWeight(casts, shape, param_dtype, slots), ()
+
+
+class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
     """A high-precision weight that FSDP2 all-gathers in FP8 (see module docstring)."""
 
     @staticmethod
@@ -131,16 +186,7 @@ class Fp8AllGatherWeight(torch.Tensor):
         inputs, entries = [], []
         for name, spec in casts:
             q = self._cast(shard, spec, sharding, single=len(casts) == 1, data=name in slots)
-            scale = q.scale
-            b = block_lengths(spec.granularity, tuple(shard.shape))[0]
-            if b is not None:  # row / block scales are split like the rows: gather them too
-                scale = _gather_padded(scale, 0, [s // b for s in sizes], mesh, 0)
-            if name in slots:
-                data = q.data.view(torch.uint8)
-                if data.shape[0] < max(sizes):  # FSDP2 wants every input at the padded shard size
-                    data = torch.cat([data, data.new_zeros(max(sizes) - data.shape[0], k)])
-                inputs.append(data)
-            entries.append((name, len(inputs) - 1 if name in slots else 0, scale, Fp8Meta(spec, param_dtype)))
+            add_all_gather_input(inputs, entries, name, q, slots, sizes, mesh, param_dtype)
         return tuple(inputs), (tuple(entries), tuple(slots), n)
 
     def _cast(self, shard, spec, sharding, *, single: bool, data: bool) -> Fp8Tensor:
@@ -156,54 +202,26 @@ class Fp8AllGatherWeight(torch.Tensor):
         scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
         return Fp8Tensor(shard, scale, Fp8Meta(spec, shard.dtype))
 
-    def _tp_sharding(self) -> tuple[Sharding, ...]:
-        """The TP sharding of the tensor FSDP2 shards (empty when the weight is not a DTensor)."""
-        found = _find_param(self)
-        spec = getattr(found[1], "_unsharded_dtensor_spec", None) if found else None
-        if spec is None:
-            return ()
-        return (Sharding(spec.mesh, tuple(spec.placements)),)
 
-    def _slots(self, module, names: list[str]) -> list[str]:
-        """The casts whose payloads travel in this all-gather.
+def add_all_gather_input(inputs: list, entries: list, name: str, q: Fp8Tensor, slots, sizes: list[int],
+                         mesh, param_dtype: torch.dtype) -> None:
+    """Appends one weight cast to FSDP2's all-gather inputs and its entry to the metadata.
 
-        One cast: that one. Two (row-wise weights): when FSDP2 reshards after forward, the forward
-        gathers the forward's cast and the backward the grad_input's, into the same buffer (each
-        pass gathers half of bf16's bytes); otherwise both travel in the forward. The count must
-        not change between passes (FSDP2 sizes its buffers once).
-        """
-        if len(names) == 1:
-            return names
-        state, reshard = _fsdp_pass(self, module)
-        want = 1 if (state in ("forward", "backward") and reshard) else 2
-        if self._n_slots is None:
-            self._n_slots = want
-        elif self._n_slots != want:
-            raise RuntimeError(
-                f"fp8func: this row-wise weight was first all-gathered with {self._n_slots} cast(s) "
-                f"per all-gather and now needs {want} (FSDP2 state {state!r}, reshard_after_forward="
-                f"{reshard}): FSDP2 sizes its buffers once, so reshard_after_forward cannot change after "
-                "the first step, and an explicit unshard() outside forward/backward is not supported "
-                "for row-wise fp8 all-gather. Keep the setting fixed or convert with fsdp_fp8_all_gather=False."
-            )
-        if want == 2:
-            return names
-        return [names[0]] if state == "forward" else [names[1]]
-
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        entries, slots, n = metadata
-        casts = {
-            name: Fp8Tensor(all_gather_outputs[slot][:n].view(meta.spec.dtype), scale, meta)
-            for name, slot, scale, meta in entries
-        }
-        if out is not None:
-            target = out._local_tensor if isinstance(out, DTensor) else out
-            if not isinstance(target, Fp8GatheredWeight):
-                raise RuntimeError(f"fp8func: FSDP2 passed out={type(target).__name__}; expected an Fp8GatheredWeight.")
-            target.set_casts(casts, slots)
-            return None
-        shape = (n, all_gather_outputs[0].shape[-1])
-        return Fp8GatheredWeight(casts, shape, param_dtype, slots), ()
+    ``q`` is the cast of the local shard (its data is read only when ``name`` travels in this
+    all-gather, i.e. is in ``slots``). The payload goes as uint8 padded to the padded shard
+    size; row / block scales are split like the rows and are gathered here, beside it; a scale
+    that spans the rows is already the mesh-wide one and rides in the metadata.
+    """
+    scale = q.scale
+    b = block_lengths(q.spec.granularity, tuple(q.data.shape))[0]
+    if b is not None:  # row / block scales are split like the rows: gather them too
+        scale = _gather_padded(scale, 0, [s // b for s in sizes], mesh, 0)
+    if name in slots:
+        data = q.data.view(torch.uint8)
+        if data.shape[0] < max(sizes):  # FSDP2 wants every input at the padded shard size
+            data = torch.cat([data, data.new_zeros(max(sizes) - data.shape[0], data.shape[1])])
+        inputs.append(data)
+    entries.append((name, len(inputs) - 1 if name in slots else 0, scale, Fp8Meta(q.spec, param_dtype)))
 
 
 def _check_block_alignment(casts, n: int, k: int, sizes: list[int], world: int) -> None:

@@ -5,6 +5,7 @@ from ._convert import Report as Report
 from ._convert import convert as convert
 from ._convert import report as report
 from ._linear import Fp8Linear as Fp8Linear
+from ._master import MasterWeights as MasterWeights
 from ._moe import MoE as MoE
 from ._moe import Fp8Experts as Fp8Experts
 from ._moe import Fp8MoE as Fp8MoE
@@ -16,5 +17,5 @@ from ._verify import LayerCheck as LayerCheck
 from ._verify import Verification as Verification
 from ._verify import verify as verify
 
-__all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MoE", "NumericsStats",
+__all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MasterWeights", "MoE", "NumericsStats",
            "PrecisionSchedule", "Report", "Router", "Verification", "convert", "report", "tensor_stats", "verify"]

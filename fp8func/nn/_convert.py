@@ -11,7 +11,7 @@ from torch import nn
 
 from .._scaling import AxisWise, Recipe, block_lengths
 from ._auto import estimate_ms, profile_for
-from ._linear import Fp8Linear
+from ._linear import Fp8Linear, _check_fp8_weights
 from ._moe import Fp8Experts, is_fused_experts
 
 __all__ = ["convert", "report", "LayerReport", "Report"]
@@ -68,6 +68,7 @@ def convert(
     *,
     filter: Callable[[nn.Module, str], bool] | str | None = None,
     fsdp_fp8_all_gather: bool = True,
+    fp8_weights: bool = False,
     tokens: int = 8192,
 ) -> nn.Module:
     """Replaces ``nn.Linear`` layers of ``model`` in place with ``Fp8Linear``; returns ``model``.
@@ -79,12 +80,20 @@ def convert(
     (``fp8func.nn._auto``), says FP8 would not be faster; the report gives both modelled times. A weight shared with another module (tied embeddings) is converted without
     the fp8 all-gather, since the other module needs the high-precision values.
 
+    ``fp8_weights=True``: converted layers keep their weights in FP8 (``Fp8WeightParam``:
+    payloads + scales, sharded and all-gathered in FP8 by FSDP2; implies the fp8 all-gather).
+    Train them with ``fp8func.nn.MasterWeights``, which holds the high-precision master copy for
+    the optimizer and re-quantizes the weights after each step. Shared (tied) weights stay in
+    high precision, and ``report`` says why. See ``docs/fp8_weights.md``.
+
     Logs one line on the ``fp8func`` logger (INFO):
     ``fp8func: converted N/M linear layers (recipe=..., fsdp_fp8_all_gather=...)``.
     """
     recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
     if not isinstance(recipe, Recipe):
         raise TypeError(f"convert: recipe={recipe!r}; expected a Recipe or a name such as 'tensorwise'.")
+    if fp8_weights:
+        _check_fp8_weights(recipe, fsdp_fp8_all_gather)
     if isinstance(filter, str) and filter != "auto":
         raise ValueError(f"convert: filter={filter!r}; expected a callable (module, fqn) -> bool, 'auto' or None.")
     profile = profile_for() if filter == "auto" else None
@@ -106,9 +115,10 @@ def convert(
             delayed = "delayed scaling casts the gathered weight itself, so FSDP2 all-gathers it in bf16"
             decisions[fqn] = f"{note}; {delayed}" if note else delayed
         elif fsdp_fp8_all_gather and not gather:
-            shared = "weight is shared with another module, so it is all-gathered in bf16"
+            shared = ("weight is shared with another module, so it stays high precision"
+                      if fp8_weights else "weight is shared with another module, so it is all-gathered in bf16")
             decisions[fqn] = f"{note}; {shared}" if note else shared
-        new = Fp8Linear.from_linear(module, recipe, fsdp_fp8_all_gather=gather)
+        new = Fp8Linear.from_linear(module, recipe, fsdp_fp8_all_gather=gather, fp8_weights=fp8_weights and gather)
         if fqn:
             parent_name, _, child = fqn.rpartition(".")
             setattr(model.get_submodule(parent_name), child, new)
@@ -120,8 +130,8 @@ def convert(
     object.__setattr__(model, _DECISIONS, decisions)  # plain attribute, not a submodule/buffer
     object.__setattr__(model, _CONVERTED, converted_fqns)
     total = sum(1 for _, m in model.named_modules() if isinstance(m, nn.Linear))
-    log.info("fp8func: converted %d/%d linear layers (recipe=%s, fsdp_fp8_all_gather=%s)%s",
-             converted, total, recipe.name, fsdp_fp8_all_gather,
+    log.info("fp8func: converted %d/%d linear layers (recipe=%s, fsdp_fp8_all_gather=%s%s)%s",
+             converted, total, recipe.name, fsdp_fp8_all_gather, ", fp8_weights=True" if fp8_weights else "",
              f" and {experts[0]}/{experts[1]} MoE expert modules" if experts[1] else "")
     return model
 
@@ -135,16 +145,17 @@ class LayerReport:
     in_features: int
     out_features: int
     fsdp_fp8_all_gather: bool
+    fp8_weights: bool = False
 
 
 class Report(list):
     """A list of ``LayerReport`` rows that prints as a table."""
 
     def __str__(self) -> str:
-        head = ("layer", "fp8", "recipe", "in x out", "fp8 all-gather", "note")
+        head = ("layer", "fp8", "recipe", "in x out", "fp8 all-gather", "fp8 weights", "note")
         rows = [head] + [
             (r.fqn, "yes" if r.converted else "no", r.recipe or "-", f"{r.in_features}x{r.out_features}",
-             "yes" if r.fsdp_fp8_all_gather else "no", r.reason)
+             "yes" if r.fsdp_fp8_all_gather else "no", "yes" if r.fp8_weights else "no", r.reason)
             for r in self
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -167,7 +178,7 @@ def report(model: nn.Module, *, print_table: bool = True) -> Report:
             continue
         if isinstance(m, Fp8Linear):
             rows.append(LayerReport(fqn, True, decisions.get(fqn, ""), m.recipe.name, m.in_features,
-                                    m.out_features, m.fsdp_fp8_all_gather))
+                                    m.out_features, m.fsdp_fp8_all_gather, m.fp8_weights))
         else:
             reason = decisions.get(fqn, "not converted (convert() has not seen this layer)")
             rows.append(LayerReport(fqn, False, reason, None, m.in_features, m.out_features, False))

@@ -11,6 +11,7 @@ from .._autograd import linear, linear_delayed, linear_with_casts
 from .._delayed import LinearScalingState, ScalingState
 from .._gathered import gathered_casts
 from .._scaling import Recipe
+from ..distributed._fp8_weights import Fp8WeightParam, check_fp8_weights_recipe
 from ..distributed._fsdp import Fp8AllGatherWeight
 
 __all__ = ["Fp8Linear"]
@@ -22,6 +23,10 @@ class Fp8Linear(nn.Linear):
     With ``fsdp_fp8_all_gather=True`` the weight is an ``Fp8AllGatherWeight``: a plain
     high-precision tensor to everything except FSDP2, which then all-gathers it as fp8 bytes,
     bitwise what the bf16 all-gather followed by the cast gives.
+
+    With ``fp8_weights=True`` the weight is an ``Fp8WeightParam``: kept in FP8 (payloads +
+    scales, no high-precision copy), sharded and all-gathered as fp8 by FSDP2, trained through
+    ``fp8func.nn.MasterWeights`` (see ``docs/fp8_weights.md``). Implies the fp8 all-gather.
 
     With a delayed-scaling recipe (``"delayed"``) the layer holds its ``LinearScalingState`` as
     buffers (``fp8_{x,w,dy}_{history,scale}``: in the state_dict and checkpoints, never seen by
@@ -36,14 +41,20 @@ class Fp8Linear(nn.Linear):
     """
 
     _STATE = ("x", "w", "dy")
+    fp8_weights = False  # True: the weight is an Fp8WeightParam (convert(..., fp8_weights=True))
     fp8_enabled = True  # False: plain F.linear in high precision (PrecisionSchedule's bf16 phases)
     amax_sharding = None  # delayed scaling: how the tokens are split over ranks (share_scaling_state)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 recipe: Recipe | str = "tensorwise", fsdp_fp8_all_gather: bool = True):
+                 recipe: Recipe | str = "tensorwise", fsdp_fp8_all_gather: bool = True, fp8_weights: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
         self.fsdp_fp8_all_gather = fsdp_fp8_all_gather
+        self.fp8_weights = fp8_weights
+        if fp8_weights:
+            _check_fp8_weights(self.recipe, fsdp_fp8_all_gather)
+            self.weight = nn.Parameter(Fp8WeightParam(self.weight.data, self.recipe))
+            return
         if self.recipe.delayed is not None:
             fsdp_fp8_all_gather = False  # the FSDP2 fp8 gather casts dynamically; see convert()
             self.fsdp_fp8_all_gather = False
@@ -80,18 +91,25 @@ class Fp8Linear(nn.Linear):
                                     for n in self._STATE))
 
     @classmethod
-    def from_linear(cls, linear_: nn.Linear, recipe: Recipe, fsdp_fp8_all_gather: bool = True) -> "Fp8Linear":
-        """An ``Fp8Linear`` holding ``linear_``'s parameters (the same values, no re-init)."""
+    def from_linear(cls, linear_: nn.Linear, recipe: Recipe, fsdp_fp8_all_gather: bool = True,
+                    fp8_weights: bool = False) -> "Fp8Linear":
+        """An ``Fp8Linear`` holding ``linear_``'s parameters (the same values, no re-init; with
+        ``fp8_weights`` the weight's values are staged, quantized at the first use)."""
+        if fp8_weights:
+            _check_fp8_weights(recipe, fsdp_fp8_all_gather)
         fsdp_fp8_all_gather = fsdp_fp8_all_gather and recipe.delayed is None
         with torch.device("meta"):
             new = cls(linear_.in_features, linear_.out_features, bias=False, recipe=recipe,
                       fsdp_fp8_all_gather=False)
         weight = linear_.weight
-        if fsdp_fp8_all_gather:
+        if fp8_weights:
+            weight = nn.Parameter(Fp8WeightParam(weight.data, recipe), requires_grad=weight.requires_grad)
+        elif fsdp_fp8_all_gather:
             weight = nn.Parameter(Fp8AllGatherWeight(weight.data, recipe), requires_grad=weight.requires_grad)
         new.weight = weight
         new.bias = linear_.bias
         new.fsdp_fp8_all_gather = fsdp_fp8_all_gather
+        new.fp8_weights = fp8_weights
         if new.recipe.delayed is not None:
             new._init_state(linear_.weight.device)
         return new
@@ -105,6 +123,15 @@ class Fp8Linear(nn.Linear):
                 raise RuntimeError("fp8func: a high-precision phase reached a layer whose weight FSDP2 gathered in "
                                    "FP8; convert with fsdp_fp8_all_gather=False to schedule precisions.")
             return F.linear(x, w, self.bias)
+        if isinstance(local, Fp8WeightParam):
+            if local is not w:
+                raise RuntimeError(
+                    "fp8func: this layer's fp8 weight reached its forward still sharded (a DTensor): only "
+                    "FSDP2 gathers fp8 weights. Wrap the layer or a parent with fully_shard, or convert "
+                    "without fp8_weights for tensor parallel alone."
+                )
+            # Outside FSDP2: the stored casts (staged values are quantized now, whole-tensor amax).
+            return linear_with_casts(x, w, self.bias, self.recipe, local.casts(), gathered_casts(x))
         if w_casts is not None and "w" not in local.valid:
             raise RuntimeError(
                 "fp8func: this layer's forward ran while FSDP2 held only its backward (grad_input) "
@@ -133,7 +160,16 @@ class Fp8Linear(nn.Linear):
         return linear_with_casts(x, w, self.bias, self.recipe, w_casts, x_casts)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.name}, fsdp_fp8_all_gather={self.fsdp_fp8_all_gather}"
+        fp8_weights = ", fp8_weights=True" if self.fp8_weights else ""
+        return (f"{super().extra_repr()}, recipe={self.recipe.name}, "
+                f"fsdp_fp8_all_gather={self.fsdp_fp8_all_gather}{fp8_weights}")
+
+
+def _check_fp8_weights(recipe: Recipe, fsdp_fp8_all_gather: bool) -> None:
+    check_fp8_weights_recipe(recipe)
+    if not fsdp_fp8_all_gather:
+        raise ValueError("fp8func: fp8_weights=True keeps no high-precision weight to all-gather, so it implies "
+                         "the fp8 all-gather; drop fsdp_fp8_all_gather=False (or set fp8_weights=False).")
 
 
 

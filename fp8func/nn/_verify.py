@@ -13,8 +13,8 @@ How the profile is attributed to layers (eager autograd; the step runs with
 * which path each ``fp8func.gemm`` took: during the step ``fp8func._gemm.gemm_path`` leaves an
   empty ``fp8func::gemm_path::<path>`` range where the GEMM runs; an ``aten::_scaled_mm`` (or
   ``_scaled_mm_v2``) op beside it proves the FP8 kernel ran, and its CUDA kernels are listed.
-* FSDP2: ``Fp8AllGatherWeight.fsdp_pre_all_gather`` is wrapped to count, per layer, the uint8
-  payloads FSDP2 all-gathers.
+* FSDP2: ``fsdp_pre_all_gather`` of ``Fp8AllGatherWeight`` and ``Fp8WeightParam`` is wrapped to
+  count, per layer, the uint8 payloads FSDP2 all-gathers.
 
 Both wrappers are removed when ``verify`` returns.
 """
@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from .. import _gemm
+from ..distributed._fp8_weights import Fp8WeightParam
 from ..distributed._fsdp import Fp8AllGatherWeight
 from ._convert import _DECISIONS
 from ._linear import Fp8Linear
@@ -45,6 +46,7 @@ _RANGE, _MARK = "fp8func::", "fp8func::gemm_path::"
 _EVAL = "autograd::engine::evaluate_function: "
 _HP_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+_FP8_GATHERED = (Fp8AllGatherWeight, Fp8WeightParam)  # the weight types FSDP2 all-gathers in FP8
 
 
 @dataclass(frozen=True)
@@ -190,25 +192,31 @@ def _gemm_path_markers():
 
 @contextlib.contextmanager
 def _all_gather_counter(model: nn.Module, tallies: dict[str, _Tally]):
-    """Wraps ``Fp8AllGatherWeight.fsdp_pre_all_gather`` to count each layer's fp8 all-gathers.
+    """Wraps ``fsdp_pre_all_gather`` of the fp8 weight types (``Fp8AllGatherWeight``,
+    ``Fp8WeightParam``) to count each layer's fp8 all-gathers.
 
     FSDP2 reads the wrapped method's signature (5 parameters), so it is spelled out."""
     names = {id(m): _canonical(fqn) for fqn, m in model.named_modules()}
-    original = Fp8AllGatherWeight.fsdp_pre_all_gather
+    originals = {cls: cls.fsdp_pre_all_gather for cls in _FP8_GATHERED}
 
-    def counted(self, mesh, outer_size, outer_stride, module, mp_policy):
-        inputs, metadata = original(self, mesh, outer_size, outer_stride, module, mp_policy)
-        tally = tallies.get(names.get(id(module), ""))
-        if tally is not None:
-            hp = self._tensor.numel() * (mp_policy.param_dtype or self._tensor.dtype).itemsize
-            tally.gathers.append((sum(t.numel() * t.element_size() for t in inputs if t.dtype == torch.uint8), hp))
-        return inputs, metadata
+    def counting(original):
+        def counted(self, mesh, outer_size, outer_stride, module, mp_policy):
+            inputs, metadata = original(self, mesh, outer_size, outer_stride, module, mp_policy)
+            tally = tallies.get(names.get(id(module), ""))
+            if tally is not None:
+                hp = self.numel() * (mp_policy.param_dtype or self.dtype).itemsize
+                tally.gathers.append((sum(t.numel() * t.element_size() for t in inputs if t.dtype == torch.uint8), hp))
+            return inputs, metadata
 
-    Fp8AllGatherWeight.fsdp_pre_all_gather = counted
+        return counted
+
+    for cls, original in originals.items():
+        cls.fsdp_pre_all_gather = counting(original)
     try:
         yield
     finally:
-        Fp8AllGatherWeight.fsdp_pre_all_gather = original
+        for cls, original in originals.items():
+            cls.fsdp_pre_all_gather = original
 
 
 def _fp8_functions() -> set[str]:
@@ -292,7 +300,7 @@ def _gather_column(model, fqn: str, m: nn.Module, tally: _Tally) -> tuple[str, s
     w = m.weight
     if not (isinstance(w, DTensor) and _sharded_by_fsdp(model, fqn)):
         return "-", ""
-    if not isinstance(w._local_tensor, Fp8AllGatherWeight):
+    if not isinstance(w._local_tensor, _FP8_GATHERED):
         return "high precision", ""
     if not tally.gathers:
         return "none", ("FSDP2 shards its weight with the fp8 all-gather, but no fp8 all-gather ran for it in "

@@ -1,0 +1,163 @@
+"""``MasterWeights``: the high-precision master copy that trains a model's FP8 weights.
+
+An FP8 weight cannot take an optimizer update itself: most updates are far below half an fp8
+ulp and would round away. ``MasterWeights`` keeps an fp32 copy of every ``Fp8WeightParam``
+(sharded exactly like it) and hands the optimizer those, plus the model's other trainable
+parameters as they are, so one optimizer over ``masters.parameters()`` covers the model. After
+each optimizer step the FP8 weights are re-quantized from their masters with one scale per
+tensor shared by all shards: the amax is reduced over the mesh the weight is sharded on, the
+mesh FSDP2 used, with one all-reduce per mesh for the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .._autograd import weight_casts
+from .._ops import quantize_with_scale
+from .._scaling import compute_amax, compute_scale
+from .._sharding import reduce_amax
+from ..distributed._fp8_weights import Fp8WeightParam
+
+__all__ = ["MasterWeights", "master_name"]
+
+
+def master_name(fqn: str) -> str:
+    """The name ``MasterWeights`` gives the model parameter ``fqn``: dots become ``__``
+    (``model.layers.0.mlp.up_proj.weight`` -> ``model__layers__0__mlp__up_proj__weight``)."""
+    return fqn.replace(".", "__")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class MasterWeights(nn.Module):
+    """High-precision masters of a model's FP8 weights, and its other trainable parameters.
+
+    For every trainable ``Fp8WeightParam`` of ``model``, an ``nn.Parameter`` of ``dtype`` with the
+    same values and the same sharding (a DTensor on the same mesh and placements under FSDP2);
+    for every other trainable parameter (biases, norms, embeddings, high-precision layers), that
+    very ``Parameter``. Names are the model's FQNs with ``.`` replaced by ``__`` (``master_name``),
+    so ``state_dict`` / ``torch.distributed.checkpoint.state_dict.get_state_dict(masters, opt)``
+    work: every parameter of the optimizer belongs to ``masters``.
+
+    Build it after ``fully_shard``, ``to_empty`` and initialisation, as you would an optimizer.
+    After loading a state dict into it (``load_state_dict``, or DCP's ``set_state_dict``, which
+    calls it) the FP8 weights are re-quantized from the loaded masters. Every rank must call
+    ``step``, ``requantize`` and ``load_state_dict`` together (they all-reduce amaxes).
+
+    Args:
+        model: a model converted with ``convert(..., fp8_weights=True)``.
+        dtype: the masters' dtype (fp32 by default).
+
+    Example:
+        >>> f8.convert(model, "tensorwise", fp8_weights=True)
+        >>> for block in model.model.layers:
+        ...     fully_shard(block, mesh=mesh, mp_policy=mp)
+        >>> fully_shard(model, mesh=mesh, mp_policy=mp)
+        >>> masters = f8.nn.MasterWeights(model)
+        >>> opt = torch.optim.AdamW(masters.parameters(), lr=3e-4)
+        >>> model(**batch).loss.backward()
+        >>> masters.step(opt)   # grads to masters, opt.step(), re-quantize, opt.zero_grad()
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        fp8 = []
+        for fqn, p in model.named_parameters():
+            name = master_name(fqn)
+            if name in self._parameters:
+                raise ValueError(f"MasterWeights: parameters {fqn!r} and another both map to {name!r}; rename one.")
+            if not p.requires_grad:
+                continue
+            local = _local(p)
+            if isinstance(local, Fp8WeightParam):
+                self.register_parameter(name, _master_of(p, local, dtype))
+                parent, _, attr = fqn.rpartition(".")
+                fp8.append((model.get_submodule(parent), attr, name))
+            else:
+                self.register_parameter(name, p)
+        if not fp8:
+            raise ValueError("MasterWeights: the model has no trainable fp8 weights; convert it with "
+                             "fp8func.convert(model, recipe, fp8_weights=True) first.")
+        self._fp8 = fp8  # (module, attribute, master name): the weight is read afresh at each use
+
+    def _weights(self):
+        for module, attr, name in self._fp8:
+            p = getattr(module, attr)
+            if not isinstance(_local(p), Fp8WeightParam):
+                raise RuntimeError(
+                    f"MasterWeights: {type(module).__name__}.{attr} is no longer an Fp8WeightParam (a "
+                    f"{type(_local(p)).__name__}): the model's parameter was replaced after MasterWeights was "
+                    "built, or FSDP2 holds it unsharded (call step/requantize outside forward and backward)."
+                )
+            yield p, getattr(self, name)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Moves the fp8 weights' gradients to their masters, runs ``optimizer.step()``,
+        re-quantizes the fp8 weights and ``optimizer.zero_grad()``."""
+        for p, master in self._weights():
+            if p.grad is not None:
+                grad = p.grad.to(master.dtype)
+                master.grad = grad if master.grad is None else master.grad + grad
+                p.grad = None
+        optimizer.step()
+        self.requantize()
+        optimizer.zero_grad()
+
+    @torch.no_grad()
+    def requantize(self) -> None:
+        """Re-quantizes every fp8 weight from its master: cast to the param dtype FSDP2 used, one
+        scale per tensor (per row, per block) shared by all shards, the amaxes of the whole
+        model reduced with one all-reduce per mesh. A weight never quantized yet (its param dtype
+        is learnt at its first all-gather) stages the master's values instead.
+        """
+        pending, groups = [], {}
+        for p, master in self._weights():
+            w, values = _local(p), _local(master)
+            if w.param_dtype is None:
+                w.stage(values)
+                continue
+            values = values.to(w.param_dtype)
+            for cast, spec in weight_casts(w.recipe):
+                key = tuple((sh.mesh, sh.amax_mesh_dims(spec.granularity, tuple(values.shape))) for sh in w.sharding)
+                item = [w, values, cast, spec, compute_amax(values, spec.granularity)]
+                pending.append(item)
+                groups.setdefault(tuple(k for k in key if k[1]), []).append(item)
+        for key, items in groups.items():
+            if not key:
+                continue  # nothing split a scale group: the local amax is the logical one
+            flat = torch.cat([item[4].reshape(-1) for item in items])
+            for mesh, dims in key:
+                flat = reduce_amax(flat, mesh, dims)
+            for item, amax in zip(items, flat.split([item[4].numel() for item in items])):
+                item[4] = amax.view_as(item[4])
+        casts: dict[int, tuple[Fp8WeightParam, dict]] = {}
+        for w, values, cast, spec, amax in pending:
+            scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
+            casts.setdefault(id(w), (w, {}))[1][cast] = quantize_with_scale(values, scale, spec)
+        for w, new in casts.values():
+            w.set_casts(new, w.param_dtype, w.sharding)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` into the masters (in place), then ``requantize()``."""
+        if assign:
+            raise ValueError("MasterWeights.load_state_dict(assign=True) would replace parameters the model "
+                             "and the optimizer hold; load in place (assign=False).")
+        out = super().load_state_dict(state_dict, strict=strict)
+        self.requantize()
+        return out
+
+
+def _master_of(p: torch.Tensor, local: Fp8WeightParam, dtype: torch.dtype) -> nn.Parameter:
+    """A ``dtype`` copy of the fp8 weight ``p`` (its staged values, or its forward cast
+    dequantized), sharded like it."""
+    with torch.no_grad():
+        values = local._values().to(dtype, copy=True)
+        if isinstance(p, DTensor):
+            values = DTensor.from_local(values, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                        run_check=False)
+    return nn.Parameter(values)
