@@ -140,7 +140,7 @@ class _LinearFn(torch.autograd.Function):
             # Views, not the inputs themselves: autograd.Function outputs that are saved must not
             # be inputs returned as they are.
             qw = Fp8Tensor(w_data.view_as(w_data), w_scale.view_as(w_scale), Fp8Meta(recipe.weight, weight.dtype))
-        y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path)
+        y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path, fast_accum="output" in recipe.fast_accum)
         qx = qx if x_t is None else x_t  # what the backward reads
         qw = qw if w_t is None else w_t
         return y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale
@@ -194,7 +194,8 @@ class _LinearFn(torch.autograd.Function):
                 b = Fp8Tensor(w_a, w_b, Fp8Meta(weight_casts(recipe)[1][1], ctx.w_dtype))
             else:
                 b = _cast_b(w_a, recipe.weight_for_grad_input)  # [N, K] along N
-            dx = gemm(qdy, b, out_dtype=ctx.x_dtype, path=recipe.path).reshape(ctx.x_shape)
+            dx = gemm(qdy, b, out_dtype=ctx.x_dtype, path=recipe.path,
+                      fast_accum="grad_input" in recipe.fast_accum).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if recipe.grad_weight_hp:
                 x2 = x_a.reshape(-1, x_a.shape[-1])
@@ -210,7 +211,7 @@ class _LinearFn(torch.autograd.Function):
                     b = Fp8Tensor(x_a, x_b, Fp8Meta(activation_casts(recipe)[1][1], ctx.x_dtype))
                 else:
                     b = _cast_b(x_a.reshape(-1, x_a.shape[-1]), recipe.input)  # [M, K] along M
-                dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path)
+                dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path, fast_accum="grad_weight" in recipe.fast_accum)
             dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
@@ -246,7 +247,7 @@ class _DelayedLinearFn(torch.autograd.Function):
         qx, sx = quantize(x.reshape(-1, x.shape[-1]), recipe.input, state=ScalingState(x_hist, x_scale), algo=algo,
                           sharding=sharding)
         qw, sw = quantize(weight, recipe.weight, state=ScalingState(w_hist, w_scale), algo=algo)
-        y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path)
+        y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path, fast_accum="output" in recipe.fast_accum)
         return (y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale,
                 sx.amax_history, sx.scale, sw.amax_history, sw.scale)
 
@@ -271,9 +272,11 @@ class _DelayedLinearFn(torch.autograd.Function):
         qw = Fp8Tensor(qw_data, qw_scale, Fp8Meta(recipe.weight, ctx.w_dtype))
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = gemm(qdy, qw, out_dtype=ctx.x_dtype, path=recipe.path).reshape(ctx.x_shape)
+            dx = gemm(qdy, qw, out_dtype=ctx.x_dtype, path=recipe.path,
+                      fast_accum="grad_input" in recipe.fast_accum).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = gemm(qdy.t(), qx, out_dtype=ctx.w_dtype, path=recipe.path).to(ctx.w_dtype)
+            dw = gemm(qdy.t(), qx, out_dtype=ctx.w_dtype, path=recipe.path,
+                      fast_accum="grad_weight" in recipe.fast_accum).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None, None, sdy.amax_history, sdy.scale

@@ -166,7 +166,7 @@ def _rowwise_out_dtype_ok(device: torch.device, out_dtype: torch.dtype) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9 and cuda >= (12, 9)
 
 
-def _scaled_mm(kind: str, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _scaled_mm(kind: str, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     if kind == "blockwise":  # lays out its own operands (inside the custom op when compiling)
         b_128x128 = _canonical(b.granularity) == BlockWise((128, 128))
         if torch.compiler.is_compiling():
@@ -177,12 +177,13 @@ def _scaled_mm(kind: str, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) ->
     da, db = _row_major(a.data), _col_major(b.data)
     if kind == "tensorwise":
         return torch._scaled_mm(da, db, scale_a=a.scale.reshape(()), scale_b=b.scale.reshape(()),
-                                out_dtype=out_dtype)
+                                out_dtype=out_dtype, use_fast_accum=fast_accum)
     sa, sb = _rowwise_scales(a, b)  # kind == "rowwise"
     if not _rowwise_out_dtype_ok(a.device, out_dtype):
         # CUTLASS row-wise kernels write bf16 only; the cast is the one extra rounding.
-        return torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).to(out_dtype)
-    return torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        return torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                use_fast_accum=fast_accum).to(out_dtype)
+    return torch._scaled_mm(da, db, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 def _blockwise_scaled_mm(da: torch.Tensor, db: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
@@ -230,11 +231,14 @@ def gemm(
     *,
     bias: torch.Tensor | None = None,
     path: str = "auto",
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``a @ b`` for FP8 operands ``a [M, K]`` and ``b [K, N]``, returned in ``out_dtype``.
 
     ``path``: "auto" (hardware where it exists, else emulated, logged once on a GPU),
     "hardware" (raise if none) or "emulated" (fp32 dequantize + matmul). See ``gemm_path``.
+    ``fast_accum``: let a tensorwise / row-wise hardware kernel skip the periodic promotion of its
+    accumulator to fp32 (``use_fast_accum``; see ``Recipe.fast_accum``); ignored elsewhere.
 
     Example:
         >>> import torch, fp8func as f8
@@ -244,7 +248,7 @@ def gemm(
         torch.Size([32, 16])
     """
     if isinstance(a.data, DTensor) or isinstance(b.data, DTensor):
-        y = _gemm_sharded(a, b, out_dtype, path)
+        y = _gemm_sharded(a, b, out_dtype, path, fast_accum)
         return y if bias is None else y + bias.to(out_dtype)
     chosen = gemm_path(a, b, path)
     if chosen == "emulated":
@@ -254,7 +258,7 @@ def gemm(
         b_hp = _col_major(dequantize(b, torch.float32))
         y = (a_hp @ b_hp).to(out_dtype)
     else:
-        y = _scaled_mm(chosen.removeprefix("scaled_mm_"), a, b, out_dtype)
+        y = _scaled_mm(chosen.removeprefix("scaled_mm_"), a, b, out_dtype, fast_accum)
     return y if bias is None else y + bias.to(out_dtype)
 
 
@@ -272,7 +276,7 @@ def _local(q: Fp8Tensor) -> tuple[Fp8Tensor, tuple]:
     return Fp8Tensor(data.to_local(), scale.to_local(), q.meta), tuple(data.placements)
 
 
-def _gemm_sharded(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, path: str) -> torch.Tensor:
+def _gemm_sharded(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, path: str, fast_accum: bool = False) -> torch.Tensor:
     """``gemm`` of DTensor operands: the local GEMM on each rank's shards, placed explicitly.
 
     Per mesh dim: (Replicate, Replicate) -> Replicate; (Shard(0), Replicate) -> Shard(0);
@@ -299,5 +303,5 @@ def _gemm_sharded(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, path: str)
                 "Redistribute the high-precision tensor before quantizing it."
             )
         out.append(rule)
-    local = gemm(la, lb, out_dtype, path=path)
+    local = gemm(la, lb, out_dtype, path=path, fast_accum=fast_accum)
     return DTensor.from_local(local, mesh, out, run_check=False)

@@ -253,7 +253,7 @@ def grouped_gemm_path(a, b, path: str = "auto") -> str:
     return "scaled_grouped_mm"
 
 
-def _scaled_grouped_mm(kind: str, a, b, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _scaled_grouped_mm(kind: str, a, b, offs: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """``torch._scaled_grouped_mm``: a row-major, b column-major, 1-D/2-D contiguous fp32 scales."""
     if kind == "2d-3d":  # a [M, K], scale [M]; b [E, K, N] column-major per expert, scale [E, N]
         (m, _), (e, _, n) = a.shape, b.shape
@@ -263,12 +263,13 @@ def _scaled_grouped_mm(kind: str, a, b, offs: torch.Tensor, out_dtype: torch.dty
         sa, sb = a.scale.t().contiguous().reshape(-1), b.scale.contiguous().reshape(-1)
         db = _col_major(b.data)
     # Only bf16 output exists (CUTLASS row-wise grouped kernel); the cast is the one extra rounding.
-    y = torch._scaled_grouped_mm(a.data.contiguous(), db, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+    y = torch._scaled_grouped_mm(a.data.contiguous(), db, sa, sb, offs=offs, out_dtype=torch.bfloat16,
+                                 use_fast_accum=fast_accum)
     return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
 
 
 def grouped_gemm(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, *,
-                 path: str = "auto") -> torch.Tensor:
+                 path: str = "auto", fast_accum: bool = False) -> torch.Tensor:
     """Grouped FP8 product, one GEMM per group of ``offs``, in ``out_dtype``.
 
     * ``a`` Fp8Tensor ``[M, K]`` (rows grouped), ``b`` Fp8Tensor ``[E, K, N]``: rows of group
@@ -278,6 +279,8 @@ def grouped_gemm(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat
 
     On the hardware path (CUDA sm90) torch's kernel asserts on the device unless, in the second
     form, every group is a positive multiple of 16 rows: ``align_groups`` pads them.
+    ``fast_accum``: ``use_fast_accum`` for that kernel (no periodic fp32 promotion of the
+    accumulator: ~3.5x faster on an H200 for Qwen3-30B-A3B's experts, see ``Recipe.fast_accum``).
 
     Example:
         >>> qa = f8.quantize(torch.randn(10, 32), spec)                        # spec: AxisWise(-1)
@@ -289,7 +292,7 @@ def grouped_gemm(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat
     groups = b.shape[0] if kind == "2d-3d" else a.scale.shape[1]
     check_offsets(offs, groups, a.shape[0] if kind == "2d-3d" else a.shape[1], "grouped_gemm")
     if grouped_gemm_path(a, b, path) == "scaled_grouped_mm":
-        return _scaled_grouped_mm(kind, a, b, offs, out_dtype)
+        return _scaled_grouped_mm(kind, a, b, offs, out_dtype, fast_accum)
     if kind == "2d-3d":
         a_hp, b_hp = dequantize(a, torch.float32), dequantize(b, torch.float32)
     else:
@@ -315,7 +318,7 @@ class _GroupedLinearFn(torch.autograd.Function):
     def forward(x, w, offs, recipe: Recipe):
         qx = quantize(x, recipe.input)  # [T, K], one scale per token
         qw = quantize(w, recipe.weight).transpose(1, 2)  # [E, K, N], one per (expert, output row)
-        return grouped_gemm(qx, qw, offs, x.dtype, path=recipe.path)
+        return grouped_gemm(qx, qw, offs, x.dtype, path=recipe.path, fast_accum="output" in recipe.fast_accum)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -331,13 +334,14 @@ class _GroupedLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             qdy = quantize(dy, r.grad_output)  # [T, N] along N
             qw = quantize(w.transpose(1, 2), r.weight_for_grad_input).transpose(1, 2)  # [E, N, K] along N
-            dx = grouped_gemm(qdy, qw, offs, x.dtype, path=r.path)
+            dx = grouped_gemm(qdy, qw, offs, x.dtype, path=r.path, fast_accum="grad_input" in r.fast_accum)
         if ctx.needs_input_grad[1]:
             if r.grad_weight_hp:
                 dw = _grouped_mm_fp32(dy.t().float(), x.float(), offs)
             else:  # both along the tokens of each expert's group: [N, T] and [T, K]
                 qdy_t = quantize_jagged(dy, offs, r.grad_output).t()
-                dw = grouped_gemm(qdy_t, quantize_jagged(x, offs, r.input), offs, w.dtype, path=r.path)
+                dw = grouped_gemm(qdy_t, quantize_jagged(x, offs, r.input), offs, w.dtype, path=r.path,
+                                  fast_accum="grad_weight" in r.fast_accum)
             dw = dw.to(w.dtype)
         return dx, dw, None, None
 

@@ -286,6 +286,9 @@ class DelayedScaling:
             raise ValueError(f"DelayedScaling(algo={self.algo!r}): expected one of {AMAX_ALGOS}.")
 
 
+GEMMS = ("output", "grad_input", "grad_weight")  # the three GEMMs of a linear layer, in torchao's words
+
+
 @dataclass(frozen=True)
 class Recipe:
     """Casts for the three GEMMs of a linear layer.
@@ -306,6 +309,11 @@ class Recipe:
         name: a label for reports.
         delayed: ``DelayedScaling`` for history-based tensorwise scales (the "delayed" recipe);
             ``linear`` then takes and returns an explicit ``LinearScalingState``.
+        fast_accum: the GEMMs (``"output"``, ``"grad_input"``, ``"grad_weight"``) whose hardware
+            kernels may accumulate in the tensor cores' reduced-precision accumulator without
+            periodic promotion to fp32 (``use_fast_accum``). Faster (3.5x for the row-wise grouped
+            GEMM on an H200, docs/moe.md), less precise for long contractions; the emulated path
+            ignores it. Empty by default: every GEMM promotes.
     """
 
     input: CastSpec = dataclasses.field(default_factory=lambda: CastSpec(E4M3))
@@ -316,8 +324,12 @@ class Recipe:
     path: str = "auto"
     name: str = "custom"
     delayed: DelayedScaling | None = None
+    fast_accum: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if not isinstance(self.fast_accum, tuple) or not set(self.fast_accum) <= set(GEMMS):
+            raise ValueError(f"Recipe(fast_accum={self.fast_accum!r}): expected a tuple of GEMM names from {GEMMS}, "
+                             "e.g. fast_accum=('output',).")
         for role in ("input", "weight", "grad_output"):
             if not isinstance(getattr(self, role), CastSpec):
                 raise TypeError(f"Recipe.{role}={getattr(self, role)!r} is not a CastSpec.")

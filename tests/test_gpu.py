@@ -135,8 +135,9 @@ def test_linear_with_triton_kernels_is_bitwise_the_plain_casts(recipe, compiled,
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fast_accum", [(), ("output", "grad_input", "grad_weight")], ids=["promoted", "fast_accum"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_grouped_linear_on_gpu_hardware_vs_emulated(compiled):
+def test_grouped_linear_on_gpu_hardware_vs_emulated(compiled, fast_accum):
     """The row-wise FP8 grouped GEMMs (``torch._scaled_grouped_mm``) against the emulated twin:
     the same casts (bitwise, CUDA vs CPU), values and both gradients close; compiled == eager."""
     from fp8func._grouped import grouped_gemm_path, quantize_jagged
@@ -153,7 +154,7 @@ def test_grouped_linear_on_gpu_hardware_vs_emulated(compiled):
     assert torch.equal(q_gpu.data.cpu().view(torch.uint8), q_cpu.data.view(torch.uint8))
     assert grouped_gemm_path(f8.quantize(x, spec), f8.quantize(w, spec).transpose(1, 2)) == "scaled_grouped_mm"
     runs = {}
-    for recipe in (f8.Recipe.from_name("rowwise"), f8.Recipe.from_name("rowwise", path="emulated")):
+    for recipe in (f8.Recipe.from_name("rowwise", fast_accum=fast_accum), f8.Recipe.from_name("rowwise", path="emulated")):
         fn = lambda x, w: f8.grouped_linear(x, w, offs, recipe)  # noqa: E731
         fn = torch.compile(fn, fullgraph=True) if compiled else fn
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -165,3 +166,22 @@ def test_grouped_linear_on_gpu_hardware_vs_emulated(compiled):
         assert torch.isfinite(hw).all()
         assert f8.sqnr(em.double(), hw.double()) > 40, f8.sqnr(em.double(), hw.double())
     assert not runs["auto"][2][1].any()  # the empty group's weight gradient is exactly zero
+
+
+def test_linear_fast_accum_on_gpu_stays_close_to_emulated():
+    """``Recipe.fast_accum`` on the dense GEMMs: the hardware kernels run with ``use_fast_accum``
+    and stay within bf16-output distance of the emulated twin (K=2048)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(512, 2048, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(1024, 2048, device="cuda", generator=g) / 45).bfloat16()
+    dy = torch.randn(512, 1024, device="cuda", generator=g).bfloat16()
+    for name in ("tensorwise", "rowwise"):
+        runs = []
+        for recipe in (f8.Recipe.from_name(name, fast_accum=("output", "grad_input", "grad_weight")),
+                       f8.Recipe.from_name(name, path="emulated")):
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = f8.linear(xx, ww, recipe=recipe)
+            y.backward(dy)
+            runs.append((y, xx.grad, ww.grad))
+        for hw, em in zip(*runs):
+            assert f8.sqnr(em.double(), hw.double()) > 40, (name, f8.sqnr(em.double(), hw.double()))

@@ -152,6 +152,7 @@ def _scaled_grouped_mm_cpu(mat_a, mat_b, scale_a, scale_b, offs=None, out_dtype=
     meta = lambda t: t.to("meta")  # noqa: E731  keeps strides
     torch.ops.aten._scaled_grouped_mm(meta(mat_a), meta(mat_b), meta(scale_a), meta(scale_b), offs=meta(offs),
                                       out_dtype=out_dtype)
+    kw.pop("use_fast_accum", None)  # the accumulator's precision: no effect on this model of the math
     assert out_dtype == torch.bfloat16 and not kw
     a, b, spans = mat_a.float(), mat_b.float(), _spans(offs)
     if mat_b.ndim == 3:  # 2d-3d: scale_a [M], scale_b [E, N]
@@ -171,14 +172,18 @@ def test_hardware_path_arguments_satisfy_the_kernel_contract(monkeypatch):
     kernel's documented math; numerically the emulated path up to the bf16 output rounding."""
     monkeypatch.setattr(grouped_mod, "_hardware_why", lambda kind, a, b: "")
     calls = []
-    fake = lambda *a, **k: calls.append(a[1].ndim) or _scaled_grouped_mm_cpu(*a, **k)  # noqa: E731
+    fake = lambda *a, **k: calls.append((a[1].ndim, k.get("use_fast_accum"))) or _scaled_grouped_mm_cpu(*a, **k)  # noqa: E731
     monkeypatch.setattr(torch, "_scaled_grouped_mm", fake)
     x, w, dy, offs = _problem([16, 32, 16], k=32, n=48, dtype=torch.bfloat16)
     hw = _grads(lambda x, w, o: grouped_linear(x, w, o, dataclasses.replace(RECIPE, path="hardware")), x, w, dy, offs)
     em = _grads(lambda x, w, o: grouped_linear(x, w, o, dataclasses.replace(RECIPE, path="emulated")), x, w, dy, offs)
-    assert calls == [3, 3, 2]  # forward, grad_input (2d-3d), grad_weight (2d-2d)
+    assert calls == [(3, False), (3, False), (2, False)]  # forward, grad_input (2d-3d), grad_weight (2d-2d)
     for a, b in zip(hw, em):
         assert f8.sqnr(b, a) > 45
+    calls.clear()  # Recipe.fast_accum reaches each named GEMM's kernel, and only those
+    fast = dataclasses.replace(RECIPE, path="hardware", fast_accum=("output", "grad_weight"))
+    _grads(lambda x, w, o: grouped_linear(x, w, o, fast), x, w, dy, offs)
+    assert calls == [(3, True), (3, False), (2, True)]
     qa, qb = f8.quantize(x, ROW), f8.quantize(w, ROW).transpose(1, 2)
     assert grouped_gemm_path(qa, qb, "hardware") == "scaled_grouped_mm"
 

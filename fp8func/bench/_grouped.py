@@ -6,8 +6,8 @@ kernel's weight-gradient GEMM needs; ``Fp8MoE`` pads to it), balanced or Zipf-sk
 callable is compiled (``fullgraph=True``); each row is the median ms of ``y = f(x, w, offs);
 y.backward(dy)`` with both gradients, and torchao's row-wise FP8 grouped GEMM where it imports.
 
-Usage (not wired into ``python -m fp8func.bench``; run it directly):
-    python -c "from fp8func.bench import _grouped as g; print(g.table(g.run()))"
+Usage: ``python -m fp8func.bench grouped``. The "fast-accum" column runs the same casts with
+``Recipe.fast_accum`` set for all three GEMMs (``use_fast_accum``: no periodic fp32 promotion).
 """
 
 from __future__ import annotations
@@ -44,8 +44,15 @@ def _bf16_grouped(x, w, offs):
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
+FAST = Recipe.from_name("rowwise", fast_accum=("output", "grad_input", "grad_weight"))
+
+
 def _fp8_grouped(x, w, offs):
     return grouped_linear(x, w, offs, "rowwise")
+
+
+def _fp8_grouped_fast(x, w, offs):
+    return grouped_linear(x, w, offs, FAST)
 
 
 def torchao_grouped():
@@ -87,10 +94,10 @@ def _time(fn, inputs, dy, iters: int, params=(), optional: bool = False) -> floa
         torch.compiler.reset()
 
 
-def _experts_block(fp8: bool, hidden: int, expert_dim: int, experts: int, device):
+def _experts_block(recipe, hidden: int, expert_dim: int, experts: int, device):
     torch.manual_seed(0)
     moe = MoE(hidden, expert_dim, experts, TOP_K, device=device, dtype=torch.bfloat16)
-    moe = Fp8MoE.from_float(moe, "rowwise", align=1) if fp8 else moe  # groups are already aligned
+    moe = Fp8MoE.from_float(moe, recipe, align=1) if recipe else moe  # groups are already aligned
     return lambda x, offs: moe._experts(x, offs), list(moe.parameters())
 
 
@@ -111,7 +118,8 @@ def run(iters: int = 30, tokens: int = TOKENS, skews=SKEWS, *, experts: int = EX
             path = grouped_gemm_path(quantize(x.detach(), spec), quantize(w.detach(), spec).transpose(1, 2))
             flops = 3 * 2 * m * k * n
             row = {"what": what, "shape": (m, k, n), "groups": groups, "path": path, "tflop": flops / 1e12}
-            for name, fn in (("bf16_ms", _bf16_grouped), ("fp8func_ms", _fp8_grouped), ("torchao_ms", ao)):
+            for name, fn in (("bf16_ms", _bf16_grouped), ("fp8func_ms", _fp8_grouped),
+                             ("fp8func_fast_ms", _fp8_grouped_fast), ("torchao_ms", ao)):
                 run_fn = lambda x, w, fn=fn: fn(x, w, offs)  # noqa: E731
                 row[name] = None if fn is None else _time(run_fn, (x, w), dy, iters, optional=fn is ao)
             rows.append(row)
@@ -121,8 +129,8 @@ def run(iters: int = 30, tokens: int = TOKENS, skews=SKEWS, *, experts: int = EX
         dy = torch.randn(m, hidden, device=device, dtype=torch.bfloat16)
         row = {"what": "SwiGLU experts (3 projections)", "shape": (m, hidden, expert_dim), "groups": groups,
                "path": rows[-1]["path"], "tflop": 3 * 3 * 2 * m * hidden * expert_dim / 1e12, "torchao_ms": None}
-        for name, fp8 in (("bf16_ms", False), ("fp8func_ms", True)):
-            fn, params = _experts_block(fp8, hidden, expert_dim, experts, device)
+        for name, recipe in (("bf16_ms", None), ("fp8func_ms", "rowwise"), ("fp8func_fast_ms", FAST)):
+            fn, params = _experts_block(recipe, hidden, expert_dim, experts, device)
             row[name] = _time(lambda x, fn=fn: fn(x, offs), (x,), dy, iters, params=params)
         rows.append(row)
         print(row, flush=True)
@@ -135,8 +143,8 @@ def run(iters: int = 30, tokens: int = TOKENS, skews=SKEWS, *, experts: int = EX
 def table(rows: list[dict]) -> str:
     env = environment()
     lines = [f"{env['device']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}: `{env['command']}`", "",
-             "| GEMM | M x K x N | groups | FP8 path | bf16 ms | fp8func ms | torchao ms | fp8func vs bf16 | "
-             "fp8func TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
+             "| GEMM | M x K x N | groups | FP8 path | bf16 ms | fp8func ms | fp8func fast-accum ms | torchao ms | "
+             "fp8func vs bf16 | fast-accum vs bf16 | fp8func TFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(v):
         return f"{v:.3f}" if v else "n/a"
@@ -144,8 +152,10 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         m, k, n = r["shape"]
         bf, ours = r["bf16_ms"], r["fp8func_ms"]
+        fast = r.get("fp8func_fast_ms")
         speedup = f"{bf / ours:.2f}x" if bf and ours else "n/a"
+        fast_speedup = f"{bf / fast:.2f}x" if bf and fast else "n/a"
         tflops = f"{r['tflop'] / ours * 1e3:.0f}" if ours else "n/a"
         lines.append(f"| {r['what']} | {m}x{k}x{n} | {r['groups']} | {r['path']} | {ms(bf)} | {ms(ours)} | "
-                     f"{ms(r['torchao_ms'])} | {speedup} | {tflops} |")
+                     f"{ms(fast)} | {ms(r['torchao_ms'])} | {speedup} | {fast_speedup} | {tflops} |")
     return "\n".join(lines)
