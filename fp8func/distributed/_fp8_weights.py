@@ -47,7 +47,7 @@ from .._qtensor import Fp8Tensor
 from .._scaling import Recipe
 from .._sharding import Sharding
 from ._fp8_weights_ops import HANDLERS, SHELL_MSG, State, fallback
-from ._fsdp import _check_block_alignment, _GatherHooks, add_all_gather_input, chunk_sizes
+from ._fsdp import _GatherHooks, add_all_gather_input
 
 __all__ = ["Fp8WeightParam", "check_fp8_weights_recipe"]
 
@@ -288,16 +288,7 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
     # ---- FSDP2 ------------------------------------------------------------------------------
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        n, k = outer_size
-        if len(self.shape) != 2 or self.shape[1] != k:
-            raise NotImplementedError(
-                f"fp8func: FSDP2 sharded this {tuple(outer_size)} fp8 weight along dim 1 (local "
-                f"{tuple(self.shape)}); fp8 weights support dim-0 sharding only. Drop the "
-                "shard_placement_fn for this parameter or convert it with fp8_weights=False."
-            )
-        casts = weight_casts(self._recipe)
-        sizes = chunk_sizes(n, mesh.size())
-        _check_block_alignment(casts, n, k, sizes, mesh.size())
+        n, _, casts, sizes = self._gather_plan(mesh, outer_size, tuple(self.shape), "convert it with fp8_weights=False")
         param_dtype = mp_policy.param_dtype or self.dtype
         if self._state.staged is not None:
             # Exactly Fp8AllGatherWeight's quantization: the shard in the param dtype, amax reduced

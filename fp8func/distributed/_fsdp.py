@@ -63,6 +63,21 @@ class _GatherHooks:
     unsharded ``Fp8GatheredWeight`` built after the all-gather. Needs ``_n_slots`` and
     ``_fsdp_group`` attributes (None until the first all-gather)."""
 
+    def _gather_plan(self, mesh, outer_size, local_shape, fix: str):
+        """(n, k, casts, row sizes per rank) of this all-gather; raises unless FSDP2 shards dim 0
+        in row shards that no scale block straddles."""
+        n, k = outer_size
+        if len(local_shape) != 2 or local_shape[1] != k:
+            raise NotImplementedError(
+                f"fp8func: FSDP2 sharded this {tuple(outer_size)} weight along dim 1 (local "
+                f"{tuple(local_shape)}); the fp8 all-gather supports dim-0 sharding only. Drop the "
+                f"shard_placement_fn for this parameter or {fix}."
+            )
+        casts = weight_casts(self._recipe)
+        sizes = chunk_sizes(n, mesh.size())
+        _check_block_alignment(casts, n, k, sizes, mesh.size())
+        return n, k, casts, sizes
+
     def _tp_sharding(self) -> tuple[Sharding, ...]:
         """The TP sharding of the tensor FSDP2 shards (empty when the weight is not a DTensor)."""
         found = _find_param(self)
@@ -165,16 +180,8 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         return self._tensor.__reduce_ex__(protocol)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        n, k = outer_size
-        if self._tensor.ndim != 2 or self._tensor.shape[1] != k:
-            raise NotImplementedError(
-                f"fp8func: FSDP2 sharded this {tuple(outer_size)} weight along dim 1 (local "
-                f"{tuple(self._tensor.shape)}); the fp8 all-gather supports dim-0 sharding only. Drop the "
-                "shard_placement_fn for this parameter or convert with fsdp_fp8_all_gather=False."
-            )
-        casts = weight_casts(self._recipe)
-        sizes = chunk_sizes(n, mesh.size())
-        _check_block_alignment(casts, n, k, sizes, mesh.size())
+        n, k, casts, sizes = self._gather_plan(mesh, outer_size, tuple(self._tensor.shape),
+                                               "convert with fsdp_fp8_all_gather=False")
         # Exactly the cast FSDP2's default path applies before its all-gather.
         param_dtype = mp_policy.param_dtype or self._tensor.dtype
         self._param_dtype = param_dtype
