@@ -24,7 +24,18 @@ __all__ = ["linear"]
 # ``quantize``) or "reference" (the kernels' PyTorch twins on every device: tests the plumbing
 # on the CPU). Same bits every way (tests/test_kernels.py, tests/test_linear.py).
 KERNELS = "auto"
-_KERNEL_GRANULARITIES = (TensorWise(), AxisWise(-1), AxisWise(1), BlockWise((1, 128)), BlockWise((128, 128)))
+
+
+def _has_kernel(g) -> bool:
+    """Whether ``fp8func.kernels`` has a kernel for ``g``: TensorWise, AxisWise(-1 / 1), BlockWise
+    (1, 128) and (128, 128). Spelled with isinstance and ``g``'s own fields, not a membership test
+    in a tuple of granularities: under torch.compile every comparison with an entry becomes a guard
+    evaluated at every call."""
+    if isinstance(g, TensorWise):
+        return True
+    if isinstance(g, AxisWise):
+        return g.axis in (-1, 1)
+    return isinstance(g, BlockWise) and g.block in ((1, 128), (128, 128))
 
 
 def _use_kernels(t: torch.Tensor, spec: CastSpec) -> bool:
@@ -32,7 +43,7 @@ def _use_kernels(t: torch.Tensor, spec: CastSpec) -> bool:
 
     if KERNELS == "off" or isinstance(t, DTensor) or t.ndim != 2 or not t.is_contiguous():
         return False
-    if t.dtype not in (torch.bfloat16, torch.float32) or spec.granularity not in _KERNEL_GRANULARITIES:
+    if t.dtype not in (torch.bfloat16, torch.float32) or not _has_kernel(spec.granularity):
         return False
     return KERNELS == "reference" or t.is_cuda
 
@@ -313,7 +324,8 @@ def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, x
     if not torch.is_grad_enabled():
         return False, False
     x2 = x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x
-    one_pass = _transpose_invariant(recipe.input) or recipe.input.granularity == BlockWise((1, 128))
+    g = recipe.input.granularity
+    one_pass = _transpose_invariant(recipe.input) or (isinstance(g, BlockWise) and g.block == (1, 128))
     want_x = (weight.requires_grad and not x_given and not recipe.grad_weight_hp
               and one_pass and _use_kernels(x2, recipe.input))
     want_w = (x.requires_grad and not w_given and recipe.grad_input_weight is None

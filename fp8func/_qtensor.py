@@ -7,7 +7,6 @@ and ``scale`` (fp32, same rank as data); ``meta`` is static aux data, so transfo
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import optree
@@ -91,7 +90,7 @@ class Fp8Tensor:
         sharding = self.meta.sharding
         if sharding is not None:
             sharding = sharding.transpose(self.ndim, dim0, dim1)
-        meta = dataclasses.replace(self.meta, spec=self.meta.spec.with_granularity(g), sharding=sharding)
+        meta = Fp8Meta(self.meta.spec.with_granularity(g), self.meta.orig_dtype, sharding)
         return Fp8Tensor(self.data.transpose(dim0, dim1), self.scale.transpose(dim0, dim1), meta)
 
     def t(self) -> "Fp8Tensor":

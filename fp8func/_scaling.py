@@ -162,7 +162,10 @@ def transpose_granularity(granularity: Granularity, ndim: int, dim0: int, dim1: 
         return granularity
     if isinstance(granularity, (AxisWise, MX)):
         axis = _norm_axis(granularity.axis, ndim, granularity)
-        return dataclasses.replace(granularity, axis=swap.get(axis, axis))
+        # Constructors, not dataclasses.replace: under torch.compile replace() makes dynamo guard
+        # the dataclass machinery with Python-level guards, evaluated at every call.
+        axis = swap.get(axis, axis)
+        return AxisWise(axis) if isinstance(granularity, AxisWise) else MX(granularity.block, axis)
     # BlockWise: spell out every dim, swap, and drop leading ones to keep the short form.
     full = [1] * (ndim - len(granularity.block)) + list(granularity.block)
     full[dim0], full[dim1] = full[dim1], full[dim0]
@@ -259,7 +262,7 @@ class CastSpec:
         return self.power_of_2 or isinstance(self.granularity, MX)
 
     def with_granularity(self, granularity: Granularity) -> "CastSpec":
-        return dataclasses.replace(self, granularity=granularity)
+        return CastSpec(self.dtype, granularity, self.power_of_2)  # not dataclasses.replace: see transpose_granularity
 
 
 PATHS = ("auto", "hardware", "emulated")

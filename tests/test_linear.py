@@ -205,3 +205,20 @@ def test_linear_through_the_kernel_twins_is_bitwise_the_plain_casts(recipe, monk
     assert sum(calls) == transposed, calls
     for a, b in zip(runs["off"], runs["reference"]):
         assert torch.equal(a, b)
+
+
+def test_kernel_granularities_are_the_kernels_own():
+    """``_has_kernel`` (written without equality tests, for cheap compile guards) names exactly the
+    granularities ``fp8func.kernels`` quantizes; the others raise there."""
+    import fp8func.kernels as kernels
+    from fp8func._autograd import _has_kernel
+
+    x = torch.randn(256, 256)
+    for g in (f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(1), f8.AxisWise(0), f8.BlockWise((1, 128)),
+              f8.BlockWise((128, 128)), f8.BlockWise((128, 1)), f8.BlockWise((1, 64)), f8.MX(32)):
+        try:
+            kernels.quantize(x, f8.CastSpec(granularity=g), impl="reference")
+            supported = True
+        except ValueError:
+            supported = False
+        assert _has_kernel(g) == supported, g
