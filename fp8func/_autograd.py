@@ -323,13 +323,15 @@ def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, x
     """
     if not torch.is_grad_enabled():
         return False, False
-    x2 = x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x
     g = recipe.input.granularity
     one_pass = _transpose_invariant(recipe.input) or (isinstance(g, BlockWise) and g.block == (1, 128))
-    want_x = (weight.requires_grad and not x_given and not recipe.grad_weight_hp
-              and one_pass and _use_kernels(x2, recipe.input))
-    want_w = (x.requires_grad and not w_given and recipe.grad_input_weight is None
-              and _transpose_invariant(recipe.weight) and _use_kernels(weight, recipe.weight))
+    want_x = want_w = False
+    # Given casts (an FP8 sequence-parallel gather, FSDP2's fp8 weight gather) are never read
+    # here: those tensors exist only as their casts, and any op on them raises.
+    if weight.requires_grad and not x_given and not recipe.grad_weight_hp and one_pass:
+        want_x = _use_kernels(x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x, recipe.input)
+    if x.requires_grad and not w_given and recipe.grad_input_weight is None and _transpose_invariant(recipe.weight):
+        want_w = _use_kernels(weight, recipe.weight)
     return bool(want_x), bool(want_w)
 
 
