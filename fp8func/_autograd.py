@@ -168,10 +168,9 @@ class _LinearFn(torch.autograd.Function):
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.reuse_x = not recipe.grad_weight_hp and _transpose_invariant(recipe.input)
         ctx.reuse_w = recipe.grad_input_weight is None and _transpose_invariant(recipe.weight)
-        # The saved fp8 copy is the transposed one ([K, M] / [K, N], row-major) when the forward made it.
-        # The saved fp8 copy is the transposed one ([K, M] / [K, N], row-major) when the forward made it.
-        ctx.x_saved_t = x_data is None and transposes[0] and not recipe.grad_weight_hp
-        ctx.w_saved_t = ctx.reuse_w and wt_data is None and transposes[1] and inputs[4] is None
+        # The saved fp8 copy is the transposed one ([K, M] / [K, N], row-major) when the forward made
+        # it (``_forward_transposes`` asks for it only where the backward reads it that way).
+        ctx.x_saved_t, ctx.w_saved_t = transposes
         ctx.given_wt = wt_data is not None
         ctx.given_xt = xt_data is not None
         if x_data is not None and not (ctx.reuse_x or ctx.given_xt):
