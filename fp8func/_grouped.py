@@ -146,7 +146,7 @@ def quantize_jagged(x: torch.Tensor, offs: torch.Tensor, spec: CastSpec, dim: in
     amax = torch.segment_reduce(xt.abs().float(), "max", lengths=counts, axis=0, unsafe=True, initial=0.0)
     scale = compute_scale(amax, spec.dtype, spec.pow2_scales)  # [E, C]
     data = saturate_cast(xt.float() * _reciprocal(scale)[gid], spec.dtype)
-    meta = Fp8Meta(spec.with_granularity(AxisWise(dim)), x.dtype)
+    meta = Fp8Meta(spec.with_granularity(AxisWise(dim)), x.dtype, None)
     return JaggedFp8Tensor(data.movedim(0, dim), scale.movedim(0, dim), meta, dim)
 
 

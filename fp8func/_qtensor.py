@@ -27,6 +27,10 @@ class Fp8Meta:
         spec: the cast that produced it (dtype, granularity, power-of-two scales).
         orig_dtype: dtype of the high-precision tensor it was quantized from.
         sharding: how ``data`` relates to the logical tensor (None: it is the whole tensor).
+
+    Code that torch.compile traces passes ``sharding`` explicitly, even as None: a meta built
+    with the field's default made torch 2.11's dynamo guard on ``dataclasses.fields(Fp8Meta)``
+    with a Python-level guard evaluated at every call of the compiled function.
     """
 
     spec: CastSpec

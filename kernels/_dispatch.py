@@ -186,5 +186,5 @@ def quantize(
     _check_x(x, "quantize")
     _check_spec(x, spec, transpose, "quantize")
     data, scale, data_t, scale_t = _backend(impl, x).quantize(x, spec, transpose)
-    meta = Fp8Meta(spec, x.dtype)
+    meta = Fp8Meta(spec, x.dtype, None)
     return Fp8Tensor(data, scale, meta), (Fp8Tensor(data_t, scale_t, meta) if transpose else None)

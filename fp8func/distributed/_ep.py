@@ -97,7 +97,7 @@ class _Fp8AllToAllFn(torch.autograd.Function):
         got = _all_to_all(rows, out_splits, in_splits, ep)
         data = got[:, :h].contiguous().view(spec.dtype)
         scale = got[:, h:].contiguous().view(torch.float32)
-        return dequantize(Fp8Tensor(data, scale, Fp8Meta(spec, x.dtype)))
+        return dequantize(Fp8Tensor(data, scale, Fp8Meta(spec, x.dtype, None)))
 
     @staticmethod
     def setup_context(ctx, inputs, output):

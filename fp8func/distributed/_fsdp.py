@@ -207,7 +207,7 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         for sh in sharding:
             amax = reduce_amax(amax, sh.mesh, sh.amax_mesh_dims(spec.granularity, tuple(shard.shape)))
         scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
-        return Fp8Tensor(shard, scale, Fp8Meta(spec, shard.dtype))
+        return Fp8Tensor(shard, scale, Fp8Meta(spec, shard.dtype, None))
 
 
 def add_all_gather_input(inputs: list, entries: list, name: str, q: Fp8Tensor, slots, sizes: list[int],
@@ -228,7 +228,7 @@ def add_all_gather_input(inputs: list, entries: list, name: str, q: Fp8Tensor, s
         if data.shape[0] < max(sizes):  # FSDP2 wants every input at the padded shard size
             data = torch.cat([data, data.new_zeros(max(sizes) - data.shape[0], data.shape[1])])
         inputs.append(data)
-    entries.append((name, len(inputs) - 1 if name in slots else 0, scale, Fp8Meta(q.spec, param_dtype)))
+    entries.append((name, len(inputs) - 1 if name in slots else 0, scale, Fp8Meta(q.spec, param_dtype, None)))
 
 
 def _check_block_alignment(casts, n: int, k: int, sizes: list[int], world: int) -> None:
