@@ -144,13 +144,13 @@ class _LinearFn(torch.autograd.Function):
         if x_data is None:
             qx, x_t = _cast(x.reshape(-1, x.shape[-1]), recipe.input, transpose=transposes[0])
         else:
-            qx = Fp8Tensor(x_data.view_as(x_data), x_scale.view_as(x_scale), Fp8Meta(recipe.input, x.dtype))
+            qx = Fp8Tensor(x_data.view_as(x_data), x_scale.view_as(x_scale), Fp8Meta(recipe.input, x.dtype, None))
         if w_data is None:
             qw, w_t = _cast(weight, recipe.weight, transpose=transposes[1])  # [N, K], contraction last
         else:
             # Views, not the inputs themselves: autograd.Function outputs that are saved must not
             # be inputs returned as they are.
-            qw = Fp8Tensor(w_data.view_as(w_data), w_scale.view_as(w_scale), Fp8Meta(recipe.weight, weight.dtype))
+            qw = Fp8Tensor(w_data.view_as(w_data), w_scale.view_as(w_scale), Fp8Meta(recipe.weight, weight.dtype, None))
         y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path, fast_accum="output" in recipe.fast_accum)
         qx = qx if x_t is None else x_t  # what the backward reads
         qw = qw if w_t is None else w_t
@@ -176,7 +176,8 @@ class _LinearFn(torch.autograd.Function):
         if x_data is not None and not (ctx.reuse_x or ctx.given_xt):
             raise ValueError(f"linear: recipe {recipe.name!r} needs the input itself or its 'x_t' cast in the backward.")
         ctx.save_for_backward(*_for_backward(ctx.reuse_x or ctx.x_saved_t, (qx_data, qx_scale), (xt_data, xt_scale), x),
-                              *_for_backward(ctx.reuse_w, (qw_data, qw_scale), (wt_data, wt_scale), weight))
+                              *_for_backward(ctx.reuse_w or ctx.w_saved_t, (qw_data, qw_scale), (wt_data, wt_scale),
+                                             weight))
 
     @staticmethod
     def backward(ctx, dy, *_unused):
@@ -197,11 +198,11 @@ class _LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             qdy = dy_casts["dy"] if dy_casts else qdy
             if ctx.w_saved_t:
-                b = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype)).t()  # [N, K], column-major
+                b = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype, None)).t()  # [N, K], column-major
             elif ctx.reuse_w:
-                b = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype))  # [N, K]
+                b = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype, None))  # [N, K]
             elif ctx.given_wt:
-                b = Fp8Tensor(w_a, w_b, Fp8Meta(weight_casts(recipe)[1][1], ctx.w_dtype))
+                b = Fp8Tensor(w_a, w_b, Fp8Meta(weight_casts(recipe)[1][1], ctx.w_dtype, None))
             else:
                 b = _cast_b(w_a, recipe.weight_for_grad_input)  # [N, K] along N
             dx = gemm(qdy, b, out_dtype=ctx.x_dtype, path=recipe.path,
@@ -214,11 +215,11 @@ class _LinearFn(torch.autograd.Function):
                 if dy_casts is not None:
                     qdy_t = dy_casts.get("dy_t", dy_casts["dy"]).t()
                 if ctx.x_saved_t:
-                    b = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype)).t()  # [M, K], column-major
+                    b = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype, None)).t()  # [M, K], column-major
                 elif ctx.reuse_x:
-                    b = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype))
+                    b = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype, None))
                 elif ctx.given_xt:
-                    b = Fp8Tensor(x_a, x_b, Fp8Meta(activation_casts(recipe)[1][1], ctx.x_dtype))
+                    b = Fp8Tensor(x_a, x_b, Fp8Meta(activation_casts(recipe)[1][1], ctx.x_dtype, None))
                 else:
                     b = _cast_b(x_a.reshape(-1, x_a.shape[-1]), recipe.input)  # [M, K] along M
                 dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path, fast_accum="grad_weight" in recipe.fast_accum)
@@ -278,8 +279,8 @@ class _DelayedLinearFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         qdy, sdy = quantize(dy2, recipe.grad_output, state=ScalingState(dy_hist, dy_scale), algo=recipe.delayed.algo,
                             sharding=ctx.sharding)
-        qx = Fp8Tensor(qx_data, qx_scale, Fp8Meta(recipe.input, ctx.x_dtype))
-        qw = Fp8Tensor(qw_data, qw_scale, Fp8Meta(recipe.weight, ctx.w_dtype))
+        qx = Fp8Tensor(qx_data, qx_scale, Fp8Meta(recipe.input, ctx.x_dtype, None))
+        qw = Fp8Tensor(qw_data, qw_scale, Fp8Meta(recipe.weight, ctx.w_dtype, None))
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = gemm(qdy, qw, out_dtype=ctx.x_dtype, path=recipe.path,
@@ -313,25 +314,36 @@ def linear_delayed(
 def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, x_given: bool, w_given: bool):
     """(x, w): whether the forward writes the operand's transposed fp8 copy for the backward.
 
-    Only for casts that go through the fused kernels, which write both copies from one read of
-    the operand: casts that serve both GEMMs (transpose-invariant: tensorwise, square blocks),
-    and 1x128 input blocks, whose 128x1 grad_weight cast then comes from the same tiles (saved
-    in fp8 instead of the high-precision input: half the activation memory). Only when
-    the backward GEMM that reads the copy will run (grad_weight reads x's, grad_input w's). The
-    values are the same bits either way; the copy replaces a transpose of fp8 bytes in the backward.
+    Only for casts that go through the fused kernels, which write both copies from the same
+    pass (or, row-wise, the same two passes) over the operand: casts that serve both GEMMs
+    (transpose-invariant: tensorwise, square blocks); 1x128 input blocks, whose 128x1
+    grad_weight cast then comes from the same tiles; and row-wise casts, whose column-wise
+    backward cast then comes from the same amax pass (one row and column amax, one cast pass
+    writing both copies) instead of an amax and a cast of its own in the backward. An input's
+    copy is saved in fp8 instead of the high-precision input (half the activation memory). Only
+    when the backward GEMM that reads the copy will run (grad_weight reads x's, grad_input w's)
+    with that same spec. The values are the same bits either way.
     """
     if not torch.is_grad_enabled():
         return False, False
-    g = recipe.input.granularity
-    one_pass = _transpose_invariant(recipe.input) or (isinstance(g, BlockWise) and g.block == (1, 128))
     want_x = want_w = False
     # Given casts (an FP8 sequence-parallel gather, FSDP2's fp8 weight gather) are never read
     # here: those tensors exist only as their casts, and any op on them raises.
-    if weight.requires_grad and not x_given and not recipe.grad_weight_hp and one_pass:
+    if weight.requires_grad and not x_given and not recipe.grad_weight_hp and _fused_transpose(recipe.input, True):
         want_x = _use_kernels(x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x, recipe.input)
-    if x.requires_grad and not w_given and recipe.grad_input_weight is None and _transpose_invariant(recipe.weight):
+    if x.requires_grad and not w_given and recipe.grad_input_weight is None and _fused_transpose(recipe.weight, False):
         want_w = _use_kernels(weight, recipe.weight)
     return bool(want_x), bool(want_w)
+
+
+def _fused_transpose(spec: CastSpec, activation: bool) -> bool:
+    """Whether ``fp8func.kernels`` writes ``quantize(t.T, spec)`` alongside ``quantize(t, spec)``:
+    transpose-invariant casts, row-wise casts, and (for activations, whose M is a multiple of
+    128 where the recipe tiles) 1x128 blocks."""
+    g = spec.granularity
+    if _transpose_invariant(spec) or (isinstance(g, AxisWise) and g.axis in (-1, 1)):
+        return True
+    return activation and isinstance(g, BlockWise) and g.block == (1, 128)
 
 
 def _check_gemm_shapes(recipe: Recipe, m: int, k: int, n: int) -> None:
