@@ -30,8 +30,10 @@ TILES_T = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 64, 8), 
 CANDIDATES: dict[str, list[Config]] = {
     "amax_flat": [C(1, bk, w, st, programs=p) for bk, w in [(4096, 4), (8192, 8), (16384, 16)]
                   for p in (528, 1056, 2112) for st in (1, 3)],
-    "amax_2d": [C(bm, bk, w, 3, m_chunk=mc) for bm, bk, w in [(32, 256, 8), (64, 128, 8), (16, 512, 8), (32, 128, 4),
-                                                               (64, 256, 8)] for mc in (256, 1024)],
+    "amax_2d": [C(bm, bk, w, st, m_chunk=mc) for bm, bk, w in [(32, 256, 8), (64, 128, 8), (16, 512, 8), (32, 128, 4),
+                                                                (64, 256, 8), (8, 1024, 4), (16, 1024, 8),
+                                                                (8, 2048, 8), (4, 4096, 8), (16, 2048, 16)]
+                for mc in (64, 128, 256, 1024) for st in (1, 3)],
     "cast": [C(bm, bk, w) for bm, bk, w in TILES],
     "cast_t": [C(bm, bk, w) for bm, bk, w in TILES_T],
     "cast_block": [C(bm, 128, w) for bm in (16, 32, 64) for w in (4, 8)],
@@ -80,10 +82,12 @@ def _row(r: dict) -> str:
             f"{r['gbps']:.0f} |")
 
 
-def sweep(iters: int = 30) -> list[dict]:
+def sweep(iters: int = 30, routes=None) -> list[dict]:
     rows = []
     saved = dict(CONFIGS)
     for route, cands in CANDIDATES.items():
+        if routes and route not in routes:
+            continue
         spec, op, transpose = ROUTES[route]
         for shape in SHAPES.get(route, DEFAULT_SHAPES):
             xs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
@@ -115,13 +119,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fp8func.kernels._sweep", description=__doc__)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json")
+    parser.add_argument("--routes", help=f"comma list of routes to sweep (default all: {','.join(CANDIDATES)})")
     args = parser.parse_args(argv)
+    routes = args.routes.split(",") if args.routes else None
+    if routes and not set(routes) <= set(CANDIDATES):
+        parser.error(f"--routes {args.routes}: unknown {sorted(set(routes) - set(CANDIDATES))}; known: {list(CANDIDATES)}")
     copy = copy_gbps(args.iters)
     print(f"copy {copy:.0f} GB/s\n| route | shape | config | bitwise | ms | GB/s |\n|---|---|---|---|---|---|")
-    rows = sweep(args.iters)
+    rows = sweep(args.iters, routes)
     print(f"copy {copy:.0f} GB/s")
     print("winners (sum of ms over shapes):")
-    for route in CANDIDATES:
+    for route in routes or CANDIDATES:
         per = {}
         for r in rows:
             if r["route"] == route and r["bitwise"]:

@@ -28,7 +28,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from fp8func._formats import fp8_max
-from fp8func._scaling import EPS, AxisWise, CastSpec, Granularity, TensorWise
+from fp8func._scaling import EPS, AxisWise, CastSpec, Granularity, TensorWise, compute_scale
 
 __all__ = ["Config", "CONFIGS", "amax", "cast", "quantize"]
 
@@ -55,7 +55,7 @@ class Config:
 
 CONFIGS: dict[str, Config] = {  # winners of the sweep on an H200 (docs/kernels.md)
     "amax_flat": Config(bm=1, bk=4096, warps=4, stages=1, programs=1056),
-    "amax_2d": Config(bm=64, bk=256, warps=8, stages=3, m_chunk=256),
+    "amax_2d": Config(bm=8, bk=1024, warps=4, stages=1, m_chunk=128),
     "cast": Config(bm=8, bk=1024, warps=8),
     "cast_t": Config(bm=64, bk=256, warps=8),
     "cast_block": Config(bm=16, bk=128, warps=4),
@@ -117,14 +117,19 @@ def _saturate(x, recip, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _amax_flat_kernel(x_ptr, out_ptr, N, STEP, BLOCK: tl.constexpr):
-    # Grid-stride loop (STEP = programs * BLOCK): one atomic per program, not per block.
+def _amax_flat_kernel(x_ptr, out_ptr, N, STEP, BLOCK: tl.constexpr, PARTIAL: tl.constexpr):
+    # Grid-stride loop (STEP = programs * BLOCK): one atomic max per program into out[0] (zeroed
+    # by the caller), or with PARTIAL one plain store per program into out[pid] (no zeroing: the
+    # consumer reduces the partial maxima itself, see _cast_kernel's NPART).
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(tl.program_id(0) * BLOCK, N, STEP):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < N, other=0.0)
         acc = tl.maximum(acc, _amax_bits(x))
-    tl.atomic_max(out_ptr.to(tl.pointer_type(tl.int32)), tl.max(acc, 0), sem="relaxed")
+    if PARTIAL:
+        tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + tl.program_id(0), tl.max(acc, 0))
+    else:
+        tl.atomic_max(out_ptr.to(tl.pointer_type(tl.int32)), tl.max(acc, 0), sem="relaxed")
 
 
 @triton.jit
@@ -155,11 +160,14 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
                  M, K, sa0, sa1, sb0, sb1,
                  A_M: tl.constexpr, A_K: tl.constexpr, B_K: tl.constexpr, B_M: tl.constexpr,
                  FROM_AMAX: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
-                 POW2: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                 POW2: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                 NPART: tl.constexpr = 0, NPART_P2: tl.constexpr = 1):
     # data[m, k] uses sa[(m // A_M) * sa0 + (k // A_K) * sa1], one value per tile row (the
     # launcher keeps a tile inside one K group); data_t[k, m] uses sb[(k // B_K) * sb0 +
     # (m // B_M) * sb1], one value per tile column. Whole-dimension groups have stride 0.
     # FROM_AMAX: sa / sb hold amax; the first program along the other axis writes the scales.
+    # NPART (tensorwise, FROM_AMAX): sa holds the NPART per-program partial maxima (int32 bits)
+    # of _amax_flat_kernel(PARTIAL); every program reduces them (a few KB, from L2).
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -170,7 +178,16 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     a_idx = (rows // A_M) * sa0 + (pid_k * BK // A_K) * sa1
-    sa = tl.load(sa_ptr + a_idx, mask=rmask, other=1.0)
+    if NPART > 0:
+        # The scalar maximum raised into a loaded vector (every partial is <= it), not broadcast
+        # from a scalar: a broadcast scalar scale made Triton 3.6 miscompile the transposed fp8
+        # store for fp32 inputs (the 128x128 path in _quant_kernel works around the same).
+        part_ptr = sa_ptr.to(tl.pointer_type(tl.int32))
+        parts = tl.arange(0, NPART_P2)
+        amax_bits = tl.max(tl.load(part_ptr + parts, mask=parts < NPART, other=0), 0)
+        sa = tl.maximum(tl.load(part_ptr + rows % NPART), amax_bits).to(tl.float32, bitcast=True)
+    else:
+        sa = tl.load(sa_ptr + a_idx, mask=rmask, other=1.0)
     if FROM_AMAX:
         sa = _scale_of(sa, INV_MAX, POW2)
         if pid_k == 0:
@@ -179,7 +196,10 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
     tl.store(data_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
     if TRANSPOSE:
         b_idx = (cols // B_K) * sb0 + (pid_m * BM // B_M) * sb1
-        sb = tl.load(sb_ptr + b_idx, mask=cmask, other=1.0)
+        if NPART > 0:
+            sb = tl.maximum(tl.load(part_ptr + cols % NPART), amax_bits).to(tl.float32, bitcast=True)
+        else:
+            sb = tl.load(sb_ptr + b_idx, mask=cmask, other=1.0)
         if FROM_AMAX:
             sb = _scale_of(sb, INV_MAX, POW2)
             if pid_m == 0:
@@ -242,13 +262,19 @@ def _consts(dtype: torch.dtype, pow2: bool) -> dict:
     return {"INV_MAX": 1.0 / fp8_max(dtype), "FP8_MAX": fp8_max(dtype), "POW2": pow2}
 
 
-def launch_amax_flat(x: torch.Tensor, out: torch.Tensor, cfg: Config) -> None:
-    """``out`` (fp32, zero) <- max |x| over all elements."""
+def amax_programs(n: int, cfg: Config) -> int:
+    """Programs of the flat amax over ``n`` elements (the length of its partial-maxima output)."""
+    return max(1, min(triton.cdiv(n, cfg.bk), cfg.programs))
+
+
+def launch_amax_flat(x: torch.Tensor, out: torch.Tensor, cfg: Config, partial: bool = False) -> None:
+    """``out`` (fp32, zero) <- max |x| over all elements; with ``partial``, ``out``
+    (``amax_programs`` fp32 slots, any contents) <- each program's maximum, as int32 bits."""
     n = x.numel()
     if n:
-        programs = max(1, min(triton.cdiv(n, cfg.bk), cfg.programs))
-        wrap_triton(_amax_flat_kernel)[(programs,)](x, out, n, programs * cfg.bk, BLOCK=cfg.bk, num_warps=cfg.warps,
-                                             num_stages=cfg.stages)
+        programs = amax_programs(n, cfg)
+        wrap_triton(_amax_flat_kernel)[(programs,)](x, out, n, programs * cfg.bk, BLOCK=cfg.bk, PARTIAL=partial,
+                                                    num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def launch_amax_2d(x: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tensor | None, cfg: Config) -> None:
@@ -271,10 +297,11 @@ def _group_strides(scale: torch.Tensor, g0: int, g1: int) -> tuple[int, int, int
 
 def launch_cast(x: torch.Tensor, data: torch.Tensor, sa: torch.Tensor, data_t: torch.Tensor | None,
                 sb: torch.Tensor | None, groups: tuple[int, int], pow2: bool, cfg: Config,
-                sa_out: torch.Tensor | None = None, sb_out: torch.Tensor | None = None) -> None:
+                sa_out: torch.Tensor | None = None, sb_out: torch.Tensor | None = None, partials: int = 0) -> None:
     """Cast ``x`` with scales ``sa`` (and ``x.T`` with ``sb``); from amax if ``sa_out`` is given.
 
-    ``groups``: the spec's group lengths along (M, K), 0 for a whole dimension.
+    ``groups``: the spec's group lengths along (M, K), 0 for a whole dimension. ``partials``
+    (tensorwise, from amax): ``sa`` holds that many partial maxima of ``launch_amax_flat(partial=True)``.
     """
     m, k = x.shape
     if not x.numel():
@@ -293,6 +320,7 @@ def launch_cast(x: torch.Tensor, data: torch.Tensor, sa: torch.Tensor, data_t: t
         sb if transpose else sa, sb_out if (from_amax and transpose) else sa,
         m, k, sa0, sa1, sb0, sb1, A_M=a_m, A_K=a_k, B_K=b_k, B_M=b_m, FROM_AMAX=from_amax,
         **_consts(data.dtype, pow2), TRANSPOSE=transpose, BM=cfg.bm, BK=cfg.bk,
+        NPART=partials, NPART_P2=triton.next_power_of_2(max(partials, 1)),
         num_warps=cfg.warps, num_stages=cfg.stages)
 
 
@@ -367,11 +395,17 @@ def _quantize_op(x: torch.Tensor, dtype: torch.dtype, pow2: bool, gm: int, gk: i
     scale_t = torch.empty((k // gm if gm else 1, m // gk if gk else 1) if transpose else (0, 0),
                           device=dev, dtype=torch.float32)
     dt, st = (data_t, scale_t) if transpose else (None, None)
-    if gm == 0 and gk == 0:  # tensorwise: amax pass, then the cast makes the scale from it
-        amax = torch.zeros((1,), device=dev, dtype=torch.float32)
-        launch_amax_flat(x, amax, CONFIGS["amax_flat"])
+    if not x.numel():  # no kernel runs: the scales of empty groups, as the twin makes them (amax 0)
+        scale.copy_(compute_scale(torch.zeros_like(scale), dtype, pow2))
+        scale_t.copy_(compute_scale(torch.zeros_like(scale_t), dtype, pow2))
+    elif gm == 0 and gk == 0:
+        # Tensorwise: amax pass (per-program partial maxima: no zeroed buffer, so no fill kernel
+        # and launch before it), then the cast reduces them and makes the scale.
+        parts = amax_programs(x.numel(), CONFIGS["amax_flat"])
+        amax = torch.empty((parts,), device=dev, dtype=torch.float32)
+        launch_amax_flat(x, amax, CONFIGS["amax_flat"], partial=True)
         launch_cast(x, data, amax, dt, amax if transpose else None, (0, 0), pow2,
-                    CONFIGS["cast_t" if transpose else "cast"], sa_out=scale, sb_out=st)
+                    CONFIGS["cast_t" if transpose else "cast"], sa_out=scale, sb_out=st, partials=parts)
     elif gk == 0 and (transpose or k > MAX_ROW_K):  # row-wise needing a second read of x
         amax = torch.zeros((m,), device=dev, dtype=torch.float32)
         amax_t = torch.zeros((k,), device=dev, dtype=torch.float32) if transpose else None

@@ -300,6 +300,17 @@ def test_triton_amax_bitwise_twin(g, dtype):
 @pytest.mark.gpu
 @needs_triton
 @pytest.mark.parametrize("g", GRANULARITIES, ids=repr)
+@pytest.mark.parametrize("transpose", [False, True])
+def test_triton_quantize_empty_bitwise_twin(g, transpose):
+    """No kernel runs on an empty input; the scales are still the twin's (those of amax 0)."""
+    spec = f8.CastSpec(f8.E4M3, g, True)
+    for shape in [(0, 256), (256, 0)]:
+        _check_quantize(torch.empty(shape, device="cuda", dtype=torch.bfloat16), spec, transpose, _eager)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("g", GRANULARITIES, ids=repr)
 def test_triton_compiled_fullgraph_bitwise_twin(g):
     from fp8func.kernels import _triton_quant
 
