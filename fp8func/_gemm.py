@@ -303,5 +303,12 @@ def _gemm_sharded(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, path: str,
                 "Redistribute the high-precision tensor before quantizing it."
             )
         out.append(rule)
+    if torch.compiler.is_compiling() and la.data.ndim == 2:
+        # Traced, a DTensor's local tensor can claim strides the real one lacks (torch 2.11,
+        # H200: a column-major local of a transposed cast traced as row-major, so _row_major
+        # kept it and scaled_mm's meta check failed in the lazily compiled backward). Copies fix
+        # the layouts whatever the trace believed; eager reads the real strides instead.
+        la = Fp8Tensor(la.data.clone(memory_format=torch.contiguous_format), la.scale, la.meta)
+        lb = Fp8Tensor(lb.data.t().clone(memory_format=torch.contiguous_format).t(), lb.scale, lb.meta)
     local = gemm(la, lb, out_dtype, path=path, fast_accum=fast_accum)
     return DTensor.from_local(local, mesh, out, run_check=False)
