@@ -11,8 +11,8 @@ import torch
 
 import fp8func as f8
 
-from ._linear import torchao_linear
-from ._timing import median_ms
+from ._linear import parse_recipe, torchao_linear
+from ._timing import back_to_back_ms, median_ms
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 
@@ -31,7 +31,7 @@ def _layer(hidden, mlp, heads, kv_heads):
 
 def _convert(layer, impl: str, recipe: str):
     if impl == "fp8func":
-        return f8.convert(layer, recipe, fsdp_fp8_all_gather=False)
+        return f8.convert(layer, parse_recipe(recipe)[1], fsdp_fp8_all_gather=False)
     if impl == "torchao":
         if recipe == "blockwise":  # a per-layer swap: torchao's convert has no blockwise config
             for parent in [layer.self_attn, layer.mlp]:
@@ -51,7 +51,10 @@ def run(seq: int = 8192, hidden: int = 4096, mlp: int = 14336, heads: int = 32, 
     x = torch.randn(1, seq, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     positions = torch.arange(seq, device="cuda")[None]
-    cases = [("bf16", "-")] + [(impl, r) for r in recipes for impl in ("torchao", "fp8func")]
+    cases = [("bf16", "-")]
+    for r in recipes:  # torchao once per torchao recipe ("tensorwise+fastfwd" compares with "tensorwise")
+        base = parse_recipe(r)[0]
+        cases += ([] if ("torchao", base) in cases else [("torchao", base)]) + [("fp8func", r)]
     for impl, recipe in cases:
         layer, rope = _layer(hidden, mlp, heads, kv_heads)
         pe = rope(x, positions)
@@ -66,23 +69,32 @@ def run(seq: int = 8192, hidden: int = 4096, mlp: int = 14336, heads: int = 32, 
             (out[0] if isinstance(out, tuple) else out).backward(dy)
 
         ms = median_ms(step, warmup=5, iters=iters)
-        rows.append({"impl": impl, "recipe": recipe, "ms": ms, "tokens_per_s": seq / ms * 1e3})
+        b2b = back_to_back_ms(step, warmup=2, iters=iters)
+        rows.append({"impl": impl, "recipe": recipe, "ms": ms, "tokens_per_s": seq / ms * 1e3, "b2b_ms": b2b,
+                     "b2b_tokens_per_s": seq / b2b * 1e3})
         print(rows[-1], flush=True)
         del layer, fn
         torch.compiler.reset()
         torch.cuda.empty_cache()
-    base = rows[0]["tokens_per_s"]
-    ao = {r["recipe"]: r["tokens_per_s"] for r in rows if r["impl"] == "torchao"}
-    for r in rows:
-        r["vs_bf16"] = r["tokens_per_s"] / base
-        r["vs_torchao"] = r["tokens_per_s"] / ao[r["recipe"]] if r["impl"] == "fp8func" and r["recipe"] in ao else None
+    for tps in ("tokens_per_s", "b2b_tokens_per_s"):
+        ao = {r["recipe"]: r[tps] for r in rows if r["impl"] == "torchao"}
+        for r in rows:
+            r[tps + "_vs_bf16"] = r[tps] / rows[0][tps]
+            ao_recipe = parse_recipe(r["recipe"])[0] if r["impl"] == "fp8func" else None
+            r[tps + "_vs_torchao"] = r[tps] / ao[ao_recipe] if ao_recipe in ao else None
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| layer step | recipe | ms | tokens/s | vs bf16 | vs torchao |", "|---|---|---|---|---|---|"]
+    """Sync: median of single synchronized steps; back-to-back: steady state (see ``bench._linear``)."""
+    def vs(v):
+        return f"{v:.2f}x" if v else ""
+
+    lines = ["| layer step | recipe | ms sync / back-to-back | tokens/s sync / back-to-back | vs bf16 sync / b2b | "
+             "vs torchao sync / b2b |", "|---|---|---|---|---|---|"]
     for r in rows:
-        vs_ao = f"{r['vs_torchao']:.2f}x" if r.get("vs_torchao") else ""
-        lines.append(f"| {r['impl']} | {r['recipe']} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['vs_bf16']:.2f}x | {vs_ao} |")
+        lines.append(f"| {r['impl']} | {r['recipe']} | {r['ms']:.2f} / {r['b2b_ms']:.2f} | "
+                     f"{r['tokens_per_s']:.0f} / {r['b2b_tokens_per_s']:.0f} | "
+                     f"{vs(r['tokens_per_s_vs_bf16'])} / {vs(r['b2b_tokens_per_s_vs_bf16'])} | "
+                     f"{vs(r['tokens_per_s_vs_torchao'])} / {vs(r['b2b_tokens_per_s_vs_torchao'])} |")
     return "\n".join(lines)

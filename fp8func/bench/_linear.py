@@ -1,7 +1,10 @@
 """Linear fwd+bwd: bf16 against torchao's FP8 linear and ``fp8func.linear``, same recipe, compiled.
 
-One process, one table: median ms of ``y = linear(x); y.backward(dy)`` (input and weight
-gradients), and each FP8 implementation's speedup over bf16; fp8func's over torchao too.
+One process, one table: ms per ``y = linear(x); y.backward(dy)`` (input and weight gradients)
+timed two ways, and each FP8 implementation's speedup over bf16; fp8func's over torchao too.
+"sync": median of single steps, synchronized after each (host time before the first kernel of
+a step counts as GPU idle time); "back-to-back": steps run without synchronization, as in a
+training loop where the host runs ahead (``_timing.back_to_back_ms``).
 """
 
 from __future__ import annotations
@@ -11,11 +14,23 @@ from torch import nn
 
 import fp8func as f8
 
-from ._timing import median_ms
+from ._timing import back_to_back_ms, median_ms
 
 SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096), (8192, 8192, 8192),
           (4096, 2048, 2048), (4096, 4096, 1024)]
 RECIPES = ("tensorwise", "rowwise", "blockwise")
+# "<recipe>+fastfwd": fp8func's recipe with the output GEMM in fast accumulation, torchao's GEMM
+# configuration (``Float8LinearConfig.gemm_config_output = Float8GemmConfig(use_fast_accum=True)``,
+# grad GEMMs precise); fp8func's named recipes keep every GEMM precise by default.
+FAST_FWD = "+fastfwd"
+
+
+def parse_recipe(name: str) -> tuple[str, f8.Recipe]:
+    """(the torchao recipe to compare with, fp8func's Recipe) for a benchmark recipe name."""
+    if name.endswith(FAST_FWD):
+        base = name[: -len(FAST_FWD)]
+        return base, f8.Recipe.from_name(base, fast_accum=("output",))
+    return name, f8.Recipe.from_name(name)
 
 
 def torchao_linear(linear: nn.Linear, recipe: str) -> nn.Module | None:
@@ -48,20 +63,30 @@ def _linear(m, k, n, seed=0) -> nn.Linear:
     return nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
 
 
+def _times(step, iters: int) -> tuple[float, float]:
+    """(sync ms, back-to-back ms) of one fwd+bwd step."""
+    return median_ms(step, iters=iters), back_to_back_ms(step, iters=iters)
+
+
 def run(shapes=SHAPES, recipes=RECIPES, iters: int = 30) -> list[dict]:
     rows = []
     for m, k, n in shapes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         bf16 = torch.compile(_linear(m, k, n))
-        bf16_ms = median_ms(_fwd_bwd(bf16, x, dy), iters=iters)
+        bf16_ms, bf16_b2b = _times(_fwd_bwd(bf16, x, dy), iters)
         flops = 3 * 2 * m * k * n
+        ao_ms = {}  # one torchao timing per torchao recipe
         for recipe in recipes:
-            row = {"shape": (m, k, n), "recipe": recipe, "bf16_ms": bf16_ms, "bf16_tflops": flops / bf16_ms / 1e9}
-            ao = torchao_linear(_linear(m, k, n), recipe)
-            row["torchao_ms"] = median_ms(_fwd_bwd(torch.compile(ao), x, dy), iters=iters) if ao is not None else None
-            ours = f8.nn.Fp8Linear.from_linear(_linear(m, k, n), f8.Recipe.from_name(recipe), fsdp_fp8_all_gather=False)
-            row["fp8func_ms"] = median_ms(_fwd_bwd(torch.compile(ours, fullgraph=True), x, dy), iters=iters)
+            base, ours_recipe = parse_recipe(recipe)
+            row = {"shape": (m, k, n), "recipe": recipe, "bf16_ms": bf16_ms, "bf16_b2b_ms": bf16_b2b,
+                   "bf16_tflops": flops / bf16_ms / 1e9}
+            if base not in ao_ms:
+                ao = torchao_linear(_linear(m, k, n), base)
+                ao_ms[base] = _times(_fwd_bwd(torch.compile(ao), x, dy), iters) if ao is not None else (None, None)
+            row["torchao_ms"], row["torchao_b2b_ms"] = ao_ms[base]
+            ours = f8.nn.Fp8Linear.from_linear(_linear(m, k, n), ours_recipe, fsdp_fp8_all_gather=False)
+            row["fp8func_ms"], row["fp8func_b2b_ms"] = _times(_fwd_bwd(torch.compile(ours, fullgraph=True), x, dy), iters)
             rows.append(row)
             print(row, flush=True)
             torch.compiler.reset()
@@ -71,13 +96,18 @@ def run(shapes=SHAPES, recipes=RECIPES, iters: int = 30) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| M x K x N | recipe | bf16 ms | torchao ms | fp8func ms | torchao vs bf16 | fp8func vs bf16 | "
-             "fp8func vs torchao |", "|---|---|---|---|---|---|---|---|"]
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if a and b else "n/a"
+
+    def ms(v):
+        return f"{v:.3f}" if v else "n/a"
+
+    lines = ["| M x K x N | recipe | timing | bf16 ms | torchao ms | fp8func ms | torchao vs bf16 | fp8func vs bf16 | "
+             "fp8func vs torchao |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m, k, n = r["shape"]
-        ao, ours, bf = r["torchao_ms"], r["fp8func_ms"], r["bf16_ms"]
-        ao_s = f"{ao:.3f}" if ao else "n/a"
-        lines.append(f"| {m}x{k}x{n} | {r['recipe']} | {bf:.3f} | {ao_s} | {ours:.3f} | "
-                     f"{(bf / ao if ao else float('nan')):.2f}x | {bf / ours:.2f}x | "
-                     f"{(ao / ours if ao else float('nan')):.2f}x |")
+        for timing, key in (("sync", "_ms"), ("back-to-back", "_b2b_ms")):
+            bf, ao, ours = r["bf16" + key], r["torchao" + key], r["fp8func" + key]
+            lines.append(f"| {m}x{k}x{n} | {r['recipe']} | {timing} | {ms(bf)} | {ms(ao)} | {ms(ours)} | "
+                         f"{ratio(bf, ao)} | {ratio(bf, ours)} | {ratio(ao, ours)} |")
     return "\n".join(lines)

@@ -27,6 +27,26 @@ def median_ms(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) ->
     return statistics.median(times)
 
 
+def back_to_back_ms(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50, rounds: int = 3) -> float:
+    """Steady-state time per call of ``fn`` in milliseconds: ``iters`` calls back to back between
+    two CUDA events, no synchronization in between (the host runs ahead of the GPU, as in
+    training), median over ``rounds``. ``median_ms`` synchronizes after every call instead, so
+    host time before a call's first kernel shows there as GPU idle time."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
 def environment() -> dict[str, str]:
     """What a reader needs to reproduce a figure: command, device, versions, date."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
