@@ -1,0 +1,427 @@
+"""FSDP2 x sequence-parallel TP at Llama-3-8B layer sizes: bf16, torchao and fp8func in one table.
+
+One launch, one 2-D mesh ("dp", "tp"): FSDP2 over dp (fp32 master weights, bf16 compute through
+``MixedPrecisionPolicy``), sequence-parallel TP over tp (the layout of examples/fsdp_tp_2d.py).
+Each configuration rebuilds the model (HF ``LlamaForCausalLM`` from a config, no download) from
+the same seed and trains ``--steps`` steps on the same data:
+
+* ``bf16``: plain ``nn.Linear``, the stock TP styles;
+* ``torchao``: ``convert_to_float8_training`` (tensorwise, FSDP2 float8 all-gather on) with
+  torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` / ``PrepareFloat8ModuleInput``;
+  a torchao run that cannot run (not installed, or it raises) is reported n/a, with the reason;
+* ``fp8func-tensorwise``, ``fp8func-rowwise``: ``fp8func.convert`` + the fp8func TP styles
+  (``tp_fp8_parity.sp_plans(fp8_styles=True)``), FSDP2 fp8 all-gather on; ``...-off``: the same
+  with ``fsdp_fp8_all_gather=False``. docs/fsdp.md's contract: the two loss sequences are
+  bitwise equal (the "on == off" column).
+
+Per configuration: global tokens/s (median step time after ``--warmup`` steps, slowest rank),
+the bytes each rank all-gathers per step over dp (FSDP2's weights) and over tp (sequence-parallel
+activations and gradients), read from c10d's flight recorder, which logs every collective that
+a process group runs, eager or compiled (the JSON also has the bytes FSDP2 hands to
+``dist.all_gather_single``: the same as dp's, except that fp8func's row-wise weights gather their
+row scales beside, in a separate small all-gather); peak GPU memory; first and last loss; whether
+every loss was finite (the run exits 1 otherwise). Bitwise comparisons need reproducible runs:
+``--deterministic strict`` (the default) turns on deterministic kernels (flash attention's
+deterministic backward included), a fixed cuBLAS workspace and inductor's deterministic mode.
+
+    torchrun --nproc-per-node 8 examples/fsdp_tp_scaling.py --tp 2 --json $OUT/scaling.json
+    torchrun --nproc-per-node 4 examples/fsdp_tp_scaling.py --device cpu --tp 2 --hidden 256 --intermediate 512 \\
+        --layers 2 --heads 4 --kv-heads 4 --vocab 1024 --seq 128 --batch 2 --steps 4 --warmup 1   # CPUs (gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import pickle
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel, parallelize_module
+
+import fp8func as f8
+from _common import add_model_args, emit, environment, local_device
+from tp_fp8_parity import sp_plans
+
+# name -> (library, recipe, FSDP2 fp8 all-gather)
+CONFIGS = {
+    "bf16": ("bf16", None, False),
+    "torchao": ("torchao", "tensorwise", True),
+    "fp8func-tensorwise": ("fp8func", "tensorwise", True),
+    "fp8func-tensorwise-off": ("fp8func", "tensorwise", False),
+    "fp8func-rowwise": ("fp8func", "rowwise", True),
+    "fp8func-rowwise-off": ("fp8func", "rowwise", False),
+}
+# c10::ScalarType names, as the flight recorder writes them -> bytes per element
+ITEMSIZE = {"Byte": 1, "Char": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1, "Float8_e8m0fnu": 1,
+            "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1, "Short": 2, "Half": 2, "BFloat16": 2,
+            "Int": 4, "Float": 4, "Long": 8, "Double": 8}
+KINDS = (("all_gather", ("all_gather", "allgather")), ("reduce_scatter", ("reduce_scatter",)),
+         ("all_reduce", ("all_reduce", "allreduce")))
+
+
+class FlightRecorderBytes:
+    """Bytes that this rank put into each collective, per process group, between two marks.
+
+    Reads c10d's flight recorder (``TORCH_FR_BUFFER_SIZE`` entries, set before the process group
+    is created): it logs each collective where the process group runs it, so it sees FSDP2's
+    gathers, DTensor's and fp8func's functional collectives, and those inside compiled graphs."""
+
+    def __init__(self, backend: str, groups: dict[str, dist.ProcessGroup]):
+        c10d = torch._C._distributed_c10d
+        self._dump = getattr(c10d, "_dump_nccl_trace" if backend == "nccl" else "_dump_fr_trace", None)
+        self._labels = {pg.group_name: label for label, pg in groups.items()}
+
+    def _entries(self) -> list[dict] | None:
+        if self._dump is None:
+            return None
+        return pickle.loads(self._dump(True, False, False)).get("entries", [])
+
+    def mark(self) -> int | None:
+        entries = self._entries()
+        return None if entries is None else max((e["record_id"] for e in entries), default=-1)
+
+    def since(self, mark: int | None) -> dict | None:
+        """{group label: {kind: bytes}} for the collectives recorded after ``mark``."""
+        entries = None if mark is None else [e for e in self._entries() if e["record_id"] > mark]
+        if not entries:
+            return None
+        if min(e["record_id"] for e in entries) != mark + 1:
+            raise RuntimeError(f"the flight recorder's ring buffer (TORCH_FR_BUFFER_SIZE="
+                               f"{os.environ.get('TORCH_FR_BUFFER_SIZE')}) dropped entries of the measured "
+                               "steps; set a larger TORCH_FR_BUFFER_SIZE or a smaller --bytes-steps.")
+        out: dict = {}
+        for e in entries:
+            name = e["profiling_name"].split(":")[-1]
+            kind = next((k for k, keys in KINDS if any(s in name for s in keys)), name)
+            per_group = out.setdefault(self._labels.get(e["process_group"][0], "other"), {})
+            per_group[kind] = per_group.get(kind, 0) + sum(
+                math.prod(size) * _itemsize(dtype) for size, dtype in zip(e["input_sizes"], e["input_dtypes"]))
+            per_group[kind + " calls"] = per_group.get(kind + " calls", 0) + 1
+        return out
+
+
+def _itemsize(name: str) -> int:
+    dtype = getattr(torch, name.lower(), None)  # e.g. "UInt16" -> torch.uint16
+    if name not in ITEMSIZE and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"flight recorder dtype {name!r} has no known size; add it to ITEMSIZE.")
+    return ITEMSIZE.get(name) or dtype.itemsize
+
+
+class CountFsdpGathers:
+    """Bytes handed to ``dist.all_gather_single`` / ``all_gather_into_tensor`` (FSDP2's weight
+    all-gathers; its hooks run eagerly, compiled layers or not) while ``on`` is True."""
+
+    NAMES = ("all_gather_single", "all_gather_into_tensor")
+
+    def __init__(self):
+        self.bytes, self.on = 0, False
+        self._orig = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+
+    def __enter__(self):
+        for name, orig in self._orig.items():
+            def counting(output_tensor, input_tensor, *args, _orig=orig, **kwargs):
+                if self.on:
+                    self.bytes += input_tensor.numel() * input_tensor.element_size()
+                return _orig(output_tensor, input_tensor, *args, **kwargs)
+
+            setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self._orig.items():
+            setattr(dist, name, orig)
+
+
+def build_llama(args, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads, max_position_embeddings=args.seq, tie_word_embeddings=False,
+        attn_implementation=args.attn,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):  # fp32 master weights, initialised where they train
+        return LlamaForCausalLM(config)
+
+
+def torchao_sp_plans() -> tuple[dict, dict]:
+    """``sp_plans``'s layout with torchao's float8 styles (its activations travel in float8)."""
+    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                       PrepareFloat8ModuleInput)
+
+    col, row = Float8ColwiseParallel, Float8RowwiseParallel
+    model_plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                  "model.norm": SequenceParallel(),
+                  "lm_head": col(input_layouts=Shard(1), output_layouts=Replicate())}
+    block_plan = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareFloat8ModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                              desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        "self_attn.q_proj": col(), "self_attn.k_proj": col(), "self_attn.v_proj": col(),
+        "self_attn.o_proj": row(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareFloat8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+        "mlp.gate_proj": col(), "mlp.up_proj": col(), "mlp.down_proj": row(output_layouts=Shard(1)),
+    }
+    return model_plan, block_plan
+
+
+def convert(model, name: str) -> tuple[dict, dict]:
+    """Converts ``model`` for configuration ``name`` in place; returns its (model, layer) TP plans."""
+    lib, recipe, fp8_gather = CONFIGS[name]
+    if lib == "fp8func":
+        f8.convert(model, recipe, fsdp_fp8_all_gather=fp8_gather)
+        return sp_plans(fp8_styles=True)
+    if lib == "torchao":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_gather))
+        return torchao_sp_plans()
+    return sp_plans(fp8_styles=False)
+
+
+def build(args, name: str, mesh, device):
+    model = build_llama(args, device)
+    model_plan, block_plan = convert(model, name)
+    parallelize_module(model, mesh["tp"], model_plan)
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], block_plan)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+    if args.compile:  # per-layer compile, FSDP2's hooks eager (the torchtitan layout)
+        for layer in model.model.layers:
+            layer.compile()
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
+
+
+def causal_mask(args, device):
+    """The mask of the whole sequence: the layers see all tokens after the sequence gather, while
+    HF would size its mask from the embedding's output, which holds this rank's tokens only."""
+    if args.attn == "sdpa":
+        return None  # no mask: sdpa takes is_causal over the whole (gathered) sequence
+    lowest = torch.finfo(torch.bfloat16).min
+    return torch.full((args.seq, args.seq), lowest, dtype=torch.bfloat16, device=device).triu(1)[None, None]
+
+
+def prime_lazy_state(names, mesh, device) -> None:
+    """Eager fp8func linears (forward and backward; plain tensors and DTensors) before any compiled run.
+
+    State that fills on first use (einops caches its backend per tensor type at its first call,
+    which fp8func's amax reaches with torch.Tensor and DTensor) makes dynamo break the graph there
+    when that first call happens while compiling: the first compiled fp8func configuration of a
+    process would be split (and rounded) differently from the later ones, and a bitwise on/off
+    comparison would compare process order, not numerics."""
+    for recipe in sorted({CONFIGS[n][1] for n in names if CONFIGS[n][0] == "fp8func"}):
+        for wrap in (lambda t: t, lambda t: DTensor.from_local(t, mesh["tp"], [Replicate()], run_check=False)):
+            x, w = (wrap(torch.randn(32, 32, device=device, dtype=torch.bfloat16).requires_grad_()) for _ in "xw")
+            f8.linear(x, w, None, recipe=recipe).sum().backward()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train(args, name, mesh, device, recorder):
+    """Trains configuration ``name``; returns per-step losses (mean over dp), times and bytes."""
+    model, opt = build(args, name, mesh, device)
+    dp_group, dp_rank = mesh["dp"].get_group(), mesh.get_local_rank("dp")
+    positions, mask = torch.arange(args.seq, device=device)[None], causal_mask(args, device)
+    warmup = min(args.warmup, args.steps - 1)
+    last_measured = min(warmup + args.bytes_steps, args.steps) - 1
+    losses, times, gathered, mark = [], [], None, None
+    with CountFsdpGathers() as fsdp_count:
+        for step in range(args.steps):
+            g = torch.Generator().manual_seed(1000 * step + dp_rank)
+            ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+            if step == warmup:
+                mark, fsdp_count.on = recorder.mark(), True
+            sync(device)
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids, position_ids=positions, attention_mask=mask).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            if step == last_measured:
+                gathered, fsdp_count.on = recorder.since(mark), False
+            mean = loss.detach().float().clone()
+            dist.all_reduce(mean, group=dp_group)
+            losses.append(mean.item() / mesh["dp"].size())
+            if not math.isfinite(losses[-1]):
+                break  # every rank sees the same mean: all stop here
+    del model, opt
+    fsdp_bytes = None if gathered is None else fsdp_count.bytes / (last_measured - warmup + 1)
+    return losses, times[warmup:] or times, gathered, fsdp_bytes
+
+
+def run_config(args, name, mesh, device, recorder) -> dict:
+    lib, recipe, fp8_gather = CONFIGS[name]
+    row = {"config": name, "library": lib, "recipe": recipe, "fp8_all_gather": fp8_gather if lib != "bf16" else None}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    torch._dynamo.reset()
+    try:
+        losses, times, gathered, fsdp_bytes = train(args, name, mesh, device, recorder)
+    except Exception as e:  # torchao only: its row says n/a and why; the others must run
+        if lib != "torchao" and "deterministic" in str(e) and args.deterministic == "strict":
+            raise RuntimeError(f"{name}: an op has no deterministic implementation under --deterministic strict; "
+                               "rerun with --deterministic warn (flash attention's backward then is not "
+                               "deterministic: add --attn eager to keep on == off comparable)") from e
+        if lib != "torchao":
+            raise
+        row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        if dist.get_backend() == "gloo" and "Invalid scalar type" in row["error"]:
+            row["error"] += " (gloo has no float8 dtypes: torchao all-gathers float8 tensors, which needs NCCL)"
+        if dist.get_rank() == 0:
+            print(f"{name}: cannot run under this 2-D setup, reported n/a ({row['error']})", flush=True)
+        return row
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    step_s = statistics.median(slowest.tolist())
+    peak = torch.tensor([torch.cuda.max_memory_allocated() if device.type == "cuda" else 0], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+    row.update(losses=losses, finite=bad is None, first_nonfinite_step=bad, loss_first=losses[0],
+               loss_last=losses[-1], step_s=step_s, tokens_per_s=args.batch * args.seq * mesh["dp"].size() / step_s,
+               peak_mem_gib=peak.item() / 2**30 if device.type == "cuda" else None, collective_bytes=gathered,
+               gather_bytes_dp=_per_step(gathered, "dp", args), gather_bytes_tp=_per_step(gathered, "tp", args),
+               fsdp_gather_bytes_counted=fsdp_bytes)
+    return row
+
+
+def _per_step(gathered: dict | None, group: str, args) -> float | None:
+    if gathered is None:
+        return None
+    steps = min(args.bytes_steps, args.steps - min(args.warmup, args.steps - 1))
+    return gathered.get(group, {}).get("all_gather", 0) / steps
+
+
+def compare_on_off(rows: list[dict]) -> None:
+    """Fills ``on_equals_off`` of each fp8func pair: its loss sequences, bitwise."""
+    by_name = {r["config"]: r for r in rows}
+    for r in rows:
+        other = by_name.get(r["config"] + "-off") or by_name.get(r["config"].removesuffix("-off"))
+        if r["library"] == "fp8func" and other is not None and other is not r and "losses" in r and "losses" in other:
+            r["on_equals_off"] = r["losses"] == other["losses"]
+
+
+def table_line(r: dict, bf16_tok: float | None) -> str:
+    mib = lambda b: "n/a" if b is None else f"{b / 2**20:.2f}"  # noqa: E731
+    gather = {None: "-", True: "on", False: "off"}[r["fp8_all_gather"]]
+    if "error" in r:
+        return f"| {r['config']} | {gather} | n/a | | n/a | n/a | n/a | n/a ({r['error']}) | |"
+    ratio = f"{r['tokens_per_s'] / bf16_tok:.2f}x" if bf16_tok else ""
+    finite = "True" if r["finite"] else f"False (step {r['first_nonfinite_step']})"
+    peak = "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
+    return (f"| {r['config']} | {gather} | {r['tokens_per_s']:.0f} | {ratio} | {mib(r['gather_bytes_dp'])} / "
+            f"{mib(r['gather_bytes_tp'])} | {peak} | {finite} | {r['loss_first']:.5f} / {r['loss_last']:.5f} | "
+            f"{r.get('on_equals_off', '')} |")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p, seq=8192, batch=1)
+    p.set_defaults(steps=100, hidden=4096, intermediate=14336, layers=4, heads=32, kv_heads=8, vocab=128256)
+    p.add_argument("--tp", type=int, default=2, help="TP degree; dp = world size / tp")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of the median step time")
+    p.add_argument("--bytes-steps", type=int, default=2, help="steps after the warm-up whose collectives are counted")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each decoder layer (default: on for cuda, off for cpu)")
+    p.add_argument("--deterministic", choices=("strict", "warn", "off"), default="strict",
+                   help="strict: deterministic kernels, erroring where none exists (flash attention's backward "
+                        "is deterministic only so); warn: warn there instead; off: fastest kernels")
+    args = p.parse_args()
+    args.compile = args.device == "cuda" if args.compile is None else args.compile
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    return args
+
+
+def set_determinism(mode: str) -> None:
+    if mode == "off":
+        return
+    # Bitwise comparisons need bitwise-reproducible runs: deterministic kernels, a fixed cuBLAS
+    # workspace (read when cuBLAS starts: set before any CUDA work), no benchmark-driven choices in inductor.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=mode == "warn")
+    if hasattr(torch._inductor.config, "deterministic"):
+        torch._inductor.config.deterministic = True
+
+
+def main():
+    args = parse_args()
+    set_determinism(args.deterministic)
+    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):  # read when the process groups start
+        os.environ.setdefault(var, "50000")
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    world = dist.get_world_size()
+    if world % args.tp or args.seq % args.tp:
+        raise SystemExit(f"--tp {args.tp} must divide the {world} processes and --seq {args.seq} "
+                         "(sequence parallel splits the sequence evenly)")
+    device = local_device(args.device)
+    mesh = init_device_mesh(args.device, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+    recorder = FlightRecorderBytes(backend, {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group()})
+    prime_lazy_state(args.configs.split(","), mesh, device)
+    rows = []
+    for name in args.configs.split(","):
+        rows.append(run_config(args, name, mesh, device, recorder))
+        if dist.get_rank() == 0:
+            print({k: v for k, v in rows[-1].items() if k not in ("losses", "collective_bytes")}, flush=True)
+    compare_on_off(rows)
+    if dist.get_rank() == 0:
+        report(args, rows, world, mesh)
+    dist.destroy_process_group()
+    broken = [f"{r['config']} (step {r['first_nonfinite_step']}: {r['losses'][-1]})"
+              for r in rows if not r.get("finite", True)]
+    if broken:
+        raise SystemExit(f"non-finite loss in {', '.join(broken)}: training diverged or overflowed")
+
+
+def report(args, rows, world, mesh) -> None:
+    import transformers
+
+    try:
+        import torchao
+        ao = torchao.__version__
+    except ImportError:
+        ao = "not installed"
+    env = environment(world, args.device) | {
+        "world size": str(world), "mesh": f"dp={mesh['dp'].size()} x tp={mesh['tp'].size()}", "torchao": ao,
+        "transformers": transformers.__version__, "compile": str(args.compile),
+        "deterministic mode": args.deterministic}
+    bf16 = next((r["tokens_per_s"] for r in rows if r["config"] == "bf16" and "tokens_per_s" in r), None)
+    description = (f"Llama {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, heads {args.heads}/"
+                   f"{args.kv_heads} kv, vocab {args.vocab}, seq {args.seq}, batch {args.batch} per dp rank, "
+                   f"{args.steps} steps ({args.warmup} warm-up), {args.attn} attention, fp32 master + bf16 "
+                   f"MixedPrecisionPolicy, AdamW lr {args.lr}, FSDP2 over dp x sequence-parallel TP over tp. "
+                   f"All-gathered MiB: what one rank sends per step (FSDP2 weights over dp / activations and "
+                   f"gradients over tp), from the c10d flight recorder over {args.bytes_steps} step(s).")
+    header = ("| config | FSDP2 fp8 all-gather | tokens/s (global) | vs bf16 | all-gather MiB/step/rank dp / tp "
+              "| peak GiB | all finite | loss first / last | on == off (bitwise) |")
+    emit(args, env, description, header, [table_line(r, bf16) for r in rows],
+         {"rows": rows, "curves": {r["config"]: r.get("losses") for r in rows}})
+
+
+if __name__ == "__main__":
+    main()
