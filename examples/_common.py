@@ -27,17 +27,35 @@ def add_model_args(p: argparse.ArgumentParser, *, seq: int, batch: int) -> None:
     p.add_argument("--json", help="write the table and the loss curves here (rank 0)")
 
 
+def config_kwargs(args) -> dict:
+    """HF decoder config fields from the command-line sizes (Qwen3Config and LlamaConfig alike)."""
+    return dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                head_dim=args.hidden // args.heads, max_position_embeddings=args.seq, tie_word_embeddings=False,
+                attn_implementation=args.attn)
+
+
 def build_qwen3(args, device="cpu", dtype=torch.float32):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads, max_position_embeddings=args.seq, tie_word_embeddings=False,
-        attn_implementation=args.attn,
-    )
     torch.manual_seed(0)
-    return Qwen3ForCausalLM(config).to(device=device, dtype=dtype)
+    return Qwen3ForCausalLM(Qwen3Config(**config_kwargs(args))).to(device=device, dtype=dtype)
+
+
+def shard_2d(model, mesh, model_plan: dict, block_plan: dict) -> None:
+    """Sequence-parallel TP over ``mesh["tp"]`` (``model_plan`` on the model, ``block_plan`` on each
+    decoder layer), then FSDP2 over ``mesh["dp"]`` per layer and at the root, fp32 masters with bf16
+    compute."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh["tp"], model_plan)
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], block_plan)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
 
 
 def model_line(args) -> str:

@@ -17,12 +17,10 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
 
 import fp8func as f8
-from _common import add_model_args, build_qwen3, local_device, model_line
+from _common import add_model_args, build_qwen3, local_device, model_line, shard_2d
 from tp_fp8_parity import sp_plans
 
 
@@ -40,14 +38,7 @@ def main():
     mesh = init_device_mesh(args.device, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     model = build_qwen3(args, device, torch.float32)  # fp32 master weights, bf16 compute
     f8.convert(model, args.recipe)  # FSDP2 fp8 all-gather on (the default)
-    model_plan, block_plan = sp_plans(fp8_styles=True)
-    parallelize_module(model, mesh["tp"], model_plan)
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh["tp"], block_plan)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+    shard_2d(model, mesh, *sp_plans(fp8_styles=True))
     head_norms = [p for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
     positions = torch.arange(args.seq, device=device)[None]

@@ -18,8 +18,9 @@ Per configuration: global tokens/s (median step time after ``--warmup`` steps, s
 the bytes each rank all-gathers per step over dp (FSDP2's weights) and over tp (sequence-parallel
 activations and gradients), read from c10d's flight recorder, which logs every collective that
 a process group runs, eager or compiled (the JSON also has the bytes FSDP2 hands to
-``dist.all_gather_single``: the same as dp's, except that fp8func's row-wise weights gather their
-row scales beside, in a separate small all-gather); peak GPU memory; first and last loss; whether
+``dist.all_gather_single``: the same as dp's, row scales of row-wise fp8 weights included; unevenly
+sharded row-wise weights gather their scales in a separate small all-gather); peak GPU memory;
+first and last loss; whether
 every loss was finite (the run exits 1 otherwise). Bitwise comparisons need reproducible runs:
 ``--deterministic strict`` (the default) turns on deterministic kernels (flash attention's
 deterministic backward included), a fixed cuBLAS workspace and inductor's deterministic mode.
@@ -42,12 +43,11 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
 import fp8func as f8
-from _common import add_model_args, emit, environment, local_device
+from _common import add_model_args, config_kwargs, emit, environment, local_device, shard_2d
 from tp_fp8_parity import sp_plans
 
 # name -> (library, recipe, FSDP2 fp8 all-gather)
@@ -143,12 +143,7 @@ class CountFsdpGathers:
 def build_llama(args, device: torch.device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads, max_position_embeddings=args.seq, tie_word_embeddings=False,
-        attn_implementation=args.attn,
-    )
+    config = LlamaConfig(**config_kwargs(args))
     torch.manual_seed(0)
     with torch.device(device):  # fp32 master weights, initialised where they train
         return LlamaForCausalLM(config)
@@ -192,14 +187,7 @@ def convert(model, name: str) -> tuple[dict, dict]:
 
 def build(args, name: str, mesh, device):
     model = build_llama(args, device)
-    model_plan, block_plan = convert(model, name)
-    parallelize_module(model, mesh["tp"], model_plan)
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh["tp"], block_plan)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+    shard_2d(model, mesh, *convert(model, name))
     if args.compile:  # per-layer compile, FSDP2's hooks eager (the torchtitan layout)
         for layer in model.model.layers:
             layer.compile()

@@ -78,8 +78,25 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
     n_layers = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, f8.nn.Fp8Linear))
     n_root = model.lm_head.weight.numel() if isinstance(model.lm_head, f8.nn.Fp8Linear) else 0
     return {"losses": losses, "bytes": counter.bytes, "fp8_numel_layers": n_layers, "fp8_numel_root": n_root,
-            "covered": covered,
+            "scale_bytes": _row_scale_bytes(model, world_size) if fp8_gather else 0, "covered": covered,
             "precomputed_used": len(used)}
+
+
+def _row_scale_bytes(model, world_size: int) -> int:
+    """Bytes of row-split scales one rank adds to FSDP2's all-gather of all the fp8 weights: the
+    forward cast's scale groups of its row shard, fp32 (tensorwise: none, its scale spans the
+    rows). Evenly sharded weights (uneven ones gather their scales in a collective of their own)."""
+    from fp8func._scaling import block_lengths, scale_shape
+    from fp8func.distributed import chunk_sizes
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, f8.nn.Fp8Linear):
+            n, k = m.weight.shape
+            b = block_lengths(m.recipe.weight.granularity, (n, k))[0]
+            if b is not None and len(set(chunk_sizes(n, world_size))) == 1:
+                total += n // world_size // b * scale_shape(m.recipe.weight.granularity, (n, k))[1] * 4
+    return total
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
@@ -93,10 +110,12 @@ def test_fsdp_fp8_all_gather_on_off_bitwise_and_bytes(recipe):
     saved = off[0]["bytes"] - on[0]["bytes"]
     # Every FSDP2 group here (reshard_after_forward=True, the root too) gathers its weights in the
     # forward and again in the backward, one fp8 payload each time (row-wise: the forward's cast,
-    # then the backward's): 1 byte per weight element instead of bf16's 2, i.e. half.
+    # then the backward's): 1 byte per weight element instead of bf16's 2, i.e. half; row-wise
+    # and block scales travel in the same all-gather (every gather: the forward cast's scales).
     world = 2
     fp8_numel = on[0]["fp8_numel_layers"] + on[0]["fp8_numel_root"]
-    assert saved == steps * 2 * fp8_numel // world, (saved, on[0]["bytes"], off[0]["bytes"])
+    assert (on[0]["scale_bytes"] == 0) == (recipe == "tensorwise"), on[0]["scale_bytes"]
+    assert saved == steps * 2 * (fp8_numel // world - on[0]["scale_bytes"]), (saved, on[0]["bytes"], off[0]["bytes"])
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -107,7 +126,7 @@ def test_fsdp_bf16_weights_and_no_reshard(recipe):
     assert on[0]["losses"] == off[0]["losses"]
     fp8_numel = on[0]["fp8_numel_layers"] + on[0]["fp8_numel_root"]
     payloads = 2 if recipe == "rowwise" else 1
-    assert off[0]["bytes"] - on[0]["bytes"] == 6 * (2 - payloads) * fp8_numel // 2
+    assert off[0]["bytes"] - on[0]["bytes"] == 6 * ((2 - payloads) * fp8_numel // 2 - on[0]["scale_bytes"])
 
 
 def test_fsdp_four_ranks_rowwise():

@@ -53,10 +53,7 @@ def test_fsdp_tp_scaling_script_on_cpu(tmp_path):
         assert on["gather_bytes_tp"] == off["gather_bytes_tp"]
     # Tensorwise activations and grad_outputs travel over tp as fp8 (row-wise sends two casts).
     assert rows["fp8func-tensorwise"]["gather_bytes_tp"] < rows["bf16"]["gather_bytes_tp"]
-    # The flight recorder's dp bytes are FSDP2's all-gathers, counted a second way at the call; row-wise
-    # fp8 weights also gather their row scales, in a small all-gather of their own.
-    for name in ("bf16", "fp8func-tensorwise", "fp8func-tensorwise-off", "fp8func-rowwise-off"):
+    # The flight recorder's dp bytes are FSDP2's all-gathers, counted a second way at the call (row-wise
+    # fp8 weights' row scales travel in the same all-gather as their payloads).
+    for name in CONFIGS:
         assert rows[name]["gather_bytes_dp"] == rows[name]["fsdp_gather_bytes_counted"], rows[name]
-    rowwise = rows["fp8func-rowwise"]
-    counted = rowwise["fsdp_gather_bytes_counted"]
-    assert counted < rowwise["gather_bytes_dp"] < 1.05 * counted, rowwise

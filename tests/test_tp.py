@@ -261,7 +261,7 @@ def _fsdp_tp_steps(model, opt, mesh, head_norms, steps, two_d, sp):
 @pytest.mark.parametrize("recipe,sp", [("tensorwise", True), ("rowwise", True), ("rowwise", False)],
                          ids=["tensorwise-sp-fp8-styles", "rowwise-sp-fp8-styles", "rowwise-stock-styles"])
 def test_fsdp_x_tp_2d(recipe, sp):
-    steps = 20
+    steps = 10
     on = run_workers(_fsdp_tp, 4, recipe, True, steps, sp)
     off = run_workers(_fsdp_tp, 4, recipe, False, steps, sp)
     single = run_workers(_fsdp_tp, 1, recipe, False, steps, sp)[0]["losses"]

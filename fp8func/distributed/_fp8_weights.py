@@ -47,7 +47,7 @@ from .._qtensor import Fp8Tensor
 from .._scaling import Recipe
 from .._sharding import Sharding
 from ._fp8_weights_ops import HANDLERS, SHELL_MSG, State, fallback
-from ._fsdp import _GatherHooks, add_all_gather_input
+from ._fsdp import _GatherHooks, add_all_gather_input, finish_all_gather_inputs
 
 __all__ = ["Fp8WeightParam", "check_fp8_weights_recipe"]
 
@@ -302,4 +302,5 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
         for name, _ in casts:
             add_all_gather_input(inputs, entries, name, state.casts[name], slots, sizes, mesh,
                                  state.param_dtype)
-        return tuple(inputs), (tuple(entries), tuple(slots), n)
+        entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
+        return tuple(inputs), (entries, tuple(slots), n)

@@ -7,16 +7,19 @@ Two tensor types, both thin:
   ``fsdp_pre_all_gather``: cast the shard to the param dtype exactly as FSDP2's default path
   does, quantize it with the amax reduced over the FSDP mesh (``quantize(..., sharding=)``),
   and hand FSDP2 the uint8 payload(s). Scales that are split by the sharding (one per row, per
-  block) are gathered beside it; a scale that spans the rows is already the mesh-wide one.
+  block) travel in the same all-gather, as uint8 inputs after the payloads (evenly sharded
+  weights; uneven ones gather them separately); a scale that spans the rows is already the
+  mesh-wide one and rides in the metadata.
 * ``Fp8GatheredWeight`` is the *unsharded* weight FSDP2 builds in ``fsdp_post_all_gather``: it
   holds the gathered casts (``Fp8Tensor``s, views of FSDP's all-gather buffers) and is consumed
   by ``Fp8Linear`` alone; any other use raises.
 
 Which casts travel: the forward's ``w`` cast, and the grad_input GEMM's ``w_t`` cast when the
-recipe needs a different one (row-wise: column scales). Both are gathered at every unshard (the
-number of all-gather inputs must not change between passes, and a compiled backward reads the
-buffers its forward saved), so a row-wise weight moves as many bytes as bf16 would; tensorwise
-and 128x128 block weights move one payload, half of bf16.
+recipe needs a different one (row-wise: column scales). With ``reshard_after_forward`` the
+forward's gather moves ``w`` and the backward's ``w_t`` (one payload each, half of bf16's
+bytes); without it the one gather moves both (as many bytes as bf16). Tensorwise and 128x128
+block weights move one payload. Every gather of a weight has the same inputs, in the same
+order (payloads, then row-split scales): FSDP2 sizes its buffers once (``_GatherHooks._slots``).
 """
 
 from __future__ import annotations
@@ -24,20 +27,22 @@ from __future__ import annotations
 import logging
 import math
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
 from .._autograd import weight_casts
-from .._gathered import Fp8GatheredWeight
 from .._collectives import _gather_padded
+from .._gathered import Fp8GatheredWeight
 from .._ops import quantize, quantize_with_scale
 from .._qtensor import Fp8Meta, Fp8Tensor
 from .._scaling import Recipe, TensorWise, block_lengths, compute_amax, compute_scale
 from .._sharding import Sharding, reduce_amax
 
-__all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "add_all_gather_input", "chunk_sizes", "precompute_scales"]
+__all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "add_all_gather_input", "chunk_sizes",
+           "finish_all_gather_inputs", "precompute_scales"]
 
 aten = torch.ops.aten
 log = logging.getLogger("fp8func")
@@ -115,7 +120,8 @@ class _GatherHooks:
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         entries, slots, n = metadata
         casts = {
-            name: Fp8Tensor(all_gather_outputs[slot][:n].view(meta.spec.dtype), scale, meta)
+            name: Fp8Tensor(all_gather_outputs[slot][:n].view(meta.spec.dtype),
+                            _gathered_scale(all_gather_outputs, scale), meta)
             for name, slot, scale, meta in entries
         }
         if out is not None:
@@ -194,7 +200,8 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         for name, spec in casts:
             q = self._cast(shard, spec, sharding, single=len(casts) == 1, data=name in slots)
             add_all_gather_input(inputs, entries, name, q, slots, sizes, mesh, param_dtype)
-        return tuple(inputs), (tuple(entries), tuple(slots), n)
+        entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
+        return tuple(inputs), (entries, tuple(slots), n)
 
     def _cast(self, shard, spec, sharding, *, single: bool, data: bool) -> Fp8Tensor:
         precomputed = self._precomputed
@@ -210,18 +217,40 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         return Fp8Tensor(shard, scale, Fp8Meta(spec, shard.dtype, None))
 
 
+class _ScaleInput(NamedTuple):
+    """A row-split scale on its way into the all-gather: its uint8 bytes, and each rank's number of
+    groups (all equal: evenly sharded weights only)."""
+
+    data: torch.Tensor
+    rows: tuple[int, ...]
+
+
+class _GatheredScale(NamedTuple):
+    """Where a row-split scale is in FSDP2's all-gather outputs, and each rank's number of groups."""
+
+    slot: int
+    rows: tuple[int, ...]
+
+
 def add_all_gather_input(inputs: list, entries: list, name: str, q: Fp8Tensor, slots, sizes: list[int],
                          mesh, param_dtype: torch.dtype) -> None:
     """Appends one weight cast to FSDP2's all-gather inputs and its entry to the metadata.
 
     ``q`` is the cast of the local shard (its data is read only when ``name`` travels in this
     all-gather, i.e. is in ``slots``). The payload goes as uint8 padded to the padded shard
-    size; row / block scales are split like the rows and are gathered here, beside it; a scale
-    that spans the rows is already the mesh-wide one and rides in the metadata.
+    size. Row / block scales are split like the rows: they travel in the same all-gather, as
+    uint8 inputs that ``finish_all_gather_inputs`` appends after every payload (evenly sharded
+    weights; uneven shards gather them here, in an all-gather of their own, because FSDP2 then
+    takes only inputs of the padded shard's shape); a scale that spans the rows is already the
+    mesh-wide one and rides in the metadata.
     """
     scale = q.scale
     b = block_lengths(q.spec.granularity, tuple(q.data.shape))[0]
-    if b is not None:  # row / block scales are split like the rows: gather them too
+    if b is not None and len(set(sizes)) == 1:  # row / block scales split like the rows: gather them too
+        scale = _ScaleInput(scale.contiguous().view(torch.uint8), tuple(s // b for s in sizes))
+    elif b is not None:
+        # Uneven row shards: FSDP2 takes only inputs of the padded shard's shape then, so the
+        # scales go in an all-gather of their own, here.
         scale = _gather_padded(scale, 0, [s // b for s in sizes], mesh, 0)
     if name in slots:
         data = q.data.view(torch.uint8)
@@ -229,6 +258,31 @@ def add_all_gather_input(inputs: list, entries: list, name: str, q: Fp8Tensor, s
             data = torch.cat([data, data.new_zeros(max(sizes) - data.shape[0], data.shape[1])])
         inputs.append(data)
     entries.append((name, len(inputs) - 1 if name in slots else 0, scale, Fp8Meta(q.spec, param_dtype, None)))
+
+
+def finish_all_gather_inputs(inputs: list, entries: list) -> tuple:
+    """Appends the row-split scales of ``entries`` to ``inputs``, after every payload; returns the
+    entries with each such scale replaced by its place in the all-gather outputs.
+
+    After the payloads, so every input keeps its position and size from one all-gather of the
+    weight to the next (FSDP2 sizes its buffers once), whichever payloads a pass moves. One
+    collective for the weight: the scales used to travel in an all-gather of their own, issued
+    and waited for inside the pre-all-gather hook.
+    """
+    out = []
+    for name, slot, scale, meta in entries:
+        if isinstance(scale, _ScaleInput):
+            inputs.append(scale.data)
+            scale = _GatheredScale(len(inputs) - 1, scale.rows)
+        out.append((name, slot, scale, meta))
+    return tuple(out)
+
+
+def _gathered_scale(outputs, scale):
+    """The unsharded scale of an entry: the metadata's, or the row-split one gathered with the payload."""
+    if not isinstance(scale, _GatheredScale):
+        return scale
+    return outputs[scale.slot].view(torch.float32)
 
 
 def _check_block_alignment(casts, n: int, k: int, sizes: list[int], world: int) -> None:
