@@ -315,11 +315,12 @@ def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, x
     """(x, w): whether the forward writes the operand's transposed fp8 copy for the backward.
 
     Only for casts that go through the fused kernels, which write both copies from the same
-    pass (or, row-wise, the same two passes) over the operand. The input: transpose-invariant
-    casts (tensorwise, square blocks), 1x128 blocks (whose 128x1 grad_weight cast then comes
-    from the same tiles) and row-wise casts (whose column-wise grad_weight cast then comes from
-    the same amax pass instead of an amax and a cast of its own in the backward); the copy is
-    saved in fp8 instead of the high-precision input (half the activation memory). The weight:
+    pass (or, row-wise, the same two passes) over the operand. The input: every cast that has
+    a kernel (``_use_kernels``): transpose-invariant ones (tensorwise, 128x128 blocks), 1x128
+    blocks (whose 128x1 grad_weight cast then comes from the same tiles) and row-wise ones
+    (whose column-wise grad_weight cast then comes from the same amax pass instead of an amax
+    and a cast of its own in the backward); the copy is saved in fp8 instead of the
+    high-precision input (half the activation memory). The weight:
     transpose-invariant casts only, whose fp8 copy the backward keeps anyway; a row-wise
     weight's column-wise copy would be kept from forward to backward on top of the weight (one
     byte per parameter, ~7 GB for a Llama-3-8B without FSDP) to save 1-2% of a step, so its
@@ -332,21 +333,11 @@ def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, x
     want_x = want_w = False
     # Given casts (an FP8 sequence-parallel gather, FSDP2's fp8 weight gather) are never read
     # here: those tensors exist only as their casts, and any op on them raises.
-    if weight.requires_grad and not x_given and not recipe.grad_weight_hp and _fused_transpose(recipe.input):
+    if weight.requires_grad and not x_given and not recipe.grad_weight_hp:
         want_x = _use_kernels(x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x, recipe.input)
     if x.requires_grad and not w_given and recipe.grad_input_weight is None and _transpose_invariant(recipe.weight):
         want_w = _use_kernels(weight, recipe.weight)
     return bool(want_x), bool(want_w)
-
-
-def _fused_transpose(spec: CastSpec) -> bool:
-    """Whether ``fp8func.kernels`` writes an activation's ``quantize(t.T, spec)`` alongside
-    ``quantize(t, spec)``: transpose-invariant casts, row-wise casts, and 1x128 blocks (M is a
-    multiple of 128 wherever the recipe tiles the grad_weight GEMM)."""
-    g = spec.granularity
-    if _transpose_invariant(spec) or (isinstance(g, AxisWise) and g.axis in (-1, 1)):
-        return True
-    return isinstance(g, BlockWise) and g.block == (1, 128)
 
 
 def _check_gemm_shapes(recipe: Recipe, m: int, k: int, n: int) -> None:

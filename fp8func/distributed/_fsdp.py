@@ -218,18 +218,15 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
 
 
 class _ScaleInput(NamedTuple):
-    """A row-split scale on its way into the all-gather: its uint8 bytes, and each rank's number of
-    groups (all equal: evenly sharded weights only)."""
+    """A row-split scale of an evenly sharded weight on its way into the all-gather (uint8 bytes)."""
 
     data: torch.Tensor
-    rows: tuple[int, ...]
 
 
 class _GatheredScale(NamedTuple):
-    """Where a row-split scale is in FSDP2's all-gather outputs, and each rank's number of groups."""
+    """Where a row-split scale is in FSDP2's all-gather outputs."""
 
     slot: int
-    rows: tuple[int, ...]
 
 
 def add_all_gather_input(inputs: list, entries: list, name: str, q: Fp8Tensor, slots, sizes: list[int],
@@ -247,7 +244,7 @@ def add_all_gather_input(inputs: list, entries: list, name: str, q: Fp8Tensor, s
     scale = q.scale
     b = block_lengths(q.spec.granularity, tuple(q.data.shape))[0]
     if b is not None and len(set(sizes)) == 1:  # row / block scales split like the rows: gather them too
-        scale = _ScaleInput(scale.contiguous().view(torch.uint8), tuple(s // b for s in sizes))
+        scale = _ScaleInput(scale.contiguous().view(torch.uint8))
     elif b is not None:
         # Uneven row shards: FSDP2 takes only inputs of the padded shard's shape then, so the
         # scales go in an all-gather of their own, here.
@@ -273,7 +270,7 @@ def finish_all_gather_inputs(inputs: list, entries: list) -> tuple:
     for name, slot, scale, meta in entries:
         if isinstance(scale, _ScaleInput):
             inputs.append(scale.data)
-            scale = _GatheredScale(len(inputs) - 1, scale.rows)
+            scale = _GatheredScale(len(inputs) - 1)
         out.append((name, slot, scale, meta))
     return tuple(out)
 
