@@ -84,12 +84,21 @@ class _GatherHooks:
         return n, k, casts, sizes
 
     def _tp_sharding(self) -> tuple[Sharding, ...]:
-        """The TP sharding of the tensor FSDP2 shards (empty when the weight is not a DTensor)."""
+        """The TP sharding of the tensor FSDP2 shards (empty when the weight is not a DTensor).
+
+        Never guessed: a TP-sharded weight whose sharding cannot be read raises, since casting
+        its shard with the shard's own amax would give each TP rank a different scale.
+        """
         found = _find_param(self)
-        spec = getattr(found[1], "_unsharded_dtensor_spec", None) if found else None
-        if spec is None:
-            return ()
-        return (Sharding(spec.mesh, tuple(spec.placements)),)
+        if found is None:
+            raise RuntimeError(
+                "fp8func: FSDP2 all-gathers this fp8 weight, but its FSDP2 parameter could not be found "
+                "(fp8func reads FSDP2's state to learn the weight's tensor-parallel sharding); the scale "
+                f"cannot be made right. torch {torch.__version__}: please report it, and convert with "
+                "fsdp_fp8_all_gather=False meanwhile (still FP8, gathered in bf16)."
+            )
+        spec = tp_spec(found[1])
+        return () if spec is None else (Sharding(spec.mesh, tuple(spec.placements)),)
 
     def _slots(self, module, names: list[str]) -> list[str]:
         """The casts whose payloads travel in this all-gather.
@@ -120,7 +129,7 @@ class _GatherHooks:
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         entries, slots, n = metadata
         casts = {
-            name: Fp8Tensor(all_gather_outputs[slot][:n].view(meta.spec.dtype),
+            name: Fp8Tensor(_gathered_payload(all_gather_outputs, slot)[:n].view(meta.spec.dtype),
                             _gathered_scale(all_gather_outputs, scale), meta)
             for name, slot, scale, meta in entries
         }
@@ -223,6 +232,12 @@ class _ScaleInput(NamedTuple):
     data: torch.Tensor
 
 
+class _LocalPayload(NamedTuple):
+    """A payload kept out of the all-gather: on a one-rank FSDP2 mesh, every one after the first."""
+
+    data: torch.Tensor
+
+
 class _GatheredScale(NamedTuple):
     """Where a row-split scale is in FSDP2's all-gather outputs."""
 
@@ -243,7 +258,14 @@ def add_all_gather_input(inputs: list, entries: list, name: str, q: Fp8Tensor, s
     """
     scale = q.scale
     b = block_lengths(q.spec.granularity, tuple(q.data.shape))[0]
-    if b is not None and len(set(sizes)) == 1:  # row / block scales split like the rows: gather them too
+    if mesh.size() == 1:
+        # One rank: FSDP2 skips the collective and copies only the first input into its output
+        # (torch 2.11-2.13, FSDPParamGroup.wait_for_unshard), so the shard is the whole weight:
+        # its scale rides in the metadata, and any payload after the first one too.
+        if name in slots and inputs:
+            entries.append((name, _LocalPayload(q.data.view(torch.uint8)), scale, Fp8Meta(q.spec, param_dtype, None)))
+            return
+    elif b is not None and len(set(sizes)) == 1:  # row / block scales split like the rows: gather them too
         scale = _ScaleInput(scale.contiguous().view(torch.uint8))
     elif b is not None:
         # Uneven row shards: FSDP2 takes only inputs of the padded shard's shape then, so the
@@ -273,6 +295,11 @@ def finish_all_gather_inputs(inputs: list, entries: list) -> tuple:
             scale = _GatheredScale(len(inputs) - 1)
         out.append((name, slot, scale, meta))
     return tuple(out)
+
+
+def _gathered_payload(outputs, slot):
+    """The unsharded uint8 payload of an entry: its all-gather output, or the one kept local."""
+    return slot.data if isinstance(slot, _LocalPayload) else outputs[slot]
 
 
 def _gathered_scale(outputs, scale):
@@ -310,6 +337,30 @@ def _fsdp_pass(weight: "Fp8AllGatherWeight", module) -> tuple[str, bool]:
     name = getattr(state, "name", "")
     pass_ = {"FORWARD": "forward", "PRE_BACKWARD": "backward"}.get(name, "unknown")
     return pass_, getattr(group, "post_forward_mesh_info", None) is not None
+
+
+# FSDPParam's DTensor spec of the parameter it was given (TP / EP placements): ``_tp_spec`` up to
+# torch 2.11, ``_unsharded_dtensor_spec`` since 2.12.
+_TP_SPEC_ATTRS = ("_unsharded_dtensor_spec", "_tp_spec")
+
+
+def tp_spec(fsdp_param):
+    """The DTensor spec of the parameter FSDP2 sharded (its TP sharding), or None for a plain tensor.
+
+    Raises when FSDP2 was given a DTensor but the spec is under neither known name: reading it as
+    "no TP" would cast every TP shard with its own amax (a torch 2.11 run did exactly that while
+    only the newer name was read: on != off on 2 GPUs, different scales per TP rank)."""
+    for attr in _TP_SPEC_ATTRS:
+        spec = getattr(fsdp_param, attr, None)
+        if spec is not None:
+            return spec
+    if getattr(fsdp_param, "is_dtensor", False):
+        raise RuntimeError(
+            f"fp8func: FSDP2 shards a DTensor parameter here, but this torch ({torch.__version__}) keeps its "
+            f"spec under none of {_TP_SPEC_ATTRS}, so the weight's TP sharding is unknown. Please report it; "
+            "convert with fsdp_fp8_all_gather=False meanwhile (still FP8, gathered in bf16)."
+        )
+    return None
 
 
 def _find_param(weight):
