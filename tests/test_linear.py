@@ -223,3 +223,71 @@ def test_kernel_granularities_are_the_kernels_own():
         except ValueError:
             supported = False
         assert _has_kernel(g) == supported, g
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_backward_reads_a_given_weight_cast_after_its_refill(compiled):
+    # FSDP2's row-wise fp8 all-gather under reshard_after_forward: the forward's gather carries
+    # the weight's ``w`` cast, and ``w_t`` (the grad_input GEMM's) shares its buffer until FSDP2
+    # refills that buffer in its pre-backward hook. The backward must read ``w_t`` then. Under
+    # compile, AOTAutograd's default partitioner puts every op that needs no gradient into the
+    # forward graph (the min-cut one may do the same): that used to read w_t's buffer while it
+    # still held w's bytes (wrong gradients on two H200s with torch 2.11, FSDP2 x TP, compiled).
+    # The test compiles with the partition that moves every such op (``_hoisting_partition``).
+    from fp8func._autograd import linear_with_casts, weight_casts
+
+    recipe = f8.Recipe.from_name("rowwise")
+    (_, spec_w), (_, spec_t) = weight_casts(recipe)
+    torch.manual_seed(0)
+    x0 = torch.randn(64, 128, dtype=torch.bfloat16)
+    w_hp = torch.randn(32, 128, dtype=torch.bfloat16)
+    qw, qt = f8.quantize(w_hp, spec_w), f8.quantize(w_hp, spec_t)
+    buffer = qw.data.clone()  # as after the forward's all-gather: w's bytes where w_t will be
+
+    def fn(x, w, w_data, w_scale, wt_data, wt_scale):
+        casts = {"w": f8.Fp8Tensor(w_data, w_scale, qw.meta), "w_t": f8.Fp8Tensor(wt_data, wt_scale, qt.meta)}
+        return linear_with_casts(x, w, None, recipe, casts)
+
+    if compiled:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
+
+        torch._dynamo.reset()
+        backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=_hoisting_partition)
+        fn = torch.compile(fn, backend=backend, fullgraph=True)
+    x, w = x0.clone().requires_grad_(), w_hp.clone().requires_grad_()
+    y = fn(x, w, qw.data, qw.scale, buffer, qt.scale)
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
+        buffer.copy_(qt.data)  # FSDP2's pre-backward all-gather refills the buffer with w_t
+    y.float().square().sum().backward()
+
+    x_ref, w_ref = x0.clone().requires_grad_(), w_hp.clone().requires_grad_()
+    f8.linear(x_ref, w_ref, None, recipe=recipe).float().square().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    assert torch.equal(w.grad, w_ref.grad)
+
+
+def _hoisting_partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
+    """AOTAutograd partition whose forward graph runs every op that needs no gradient: legal (the
+    partitioners may put any such op there), and the worst case for a backward that reads a
+    buffer refilled between the passes."""
+    from torch._functorch.partitioners import default_partition
+
+    graph = joint_module.graph
+    needs_grad = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+                a in needs_grad for a in node.all_input_nodes):
+            needs_grad.add(node)
+    first = next(n for n in graph.nodes if n in needs_grad and n.op != "placeholder")
+    seen_first = False
+    for node in list(graph.nodes):
+        seen_first = seen_first or node is first
+        if node.op in ("placeholder", "output") or node in needs_grad:
+            continue
+        if seen_first:
+            first.prepend(node)  # its inputs need no gradient either: already before ``first``
+        node.meta["partitioner_tag"] = "is_forward"
+    graph.lint()
+    joint_module.recompile()
+    return default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
