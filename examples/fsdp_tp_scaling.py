@@ -309,6 +309,8 @@ def compare_on_off(rows: list[dict]) -> None:
         other = by_name.get(r["config"] + "-off") or by_name.get(r["config"].removesuffix("-off"))
         if r["library"] == "fp8func" and other is not None and other is not r and "losses" in r and "losses" in other:
             r["on_equals_off"] = r["losses"] == other["losses"]
+            r["first_differing_step"] = next(
+                (i for i, (a, b) in enumerate(zip(r["losses"], other["losses"])) if a != b), None)
 
 
 def table_line(r: dict, bf16_tok: float | None) -> str:
@@ -321,7 +323,13 @@ def table_line(r: dict, bf16_tok: float | None) -> str:
     peak = "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
     return (f"| {r['config']} | {gather} | {r['tokens_per_s']:.0f} | {ratio} | {mib(r['gather_bytes_dp'])} / "
             f"{mib(r['gather_bytes_tp'])} | {peak} | {finite} | {r['loss_first']:.5f} / {r['loss_last']:.5f} | "
-            f"{r.get('on_equals_off', '')} |")
+            f"{_on_off(r)} |")
+
+
+def _on_off(r: dict) -> str:
+    if r.get("on_equals_off") is False and r.get("first_differing_step") is not None:
+        return f"False (from step {r['first_differing_step']})"
+    return str(r.get("on_equals_off", ""))
 
 
 def parse_args():

@@ -116,33 +116,37 @@ def _cast_b(t: torch.Tensor, spec: CastSpec) -> Fp8Tensor:
 
 @torch.library.custom_op("fp8func::read_in_backward", mutates_args=())
 def _read_in_backward(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` made once ``grad`` exists: in the backward, never hoisted into the forward."""
-    return t.clone()
+    """A copy of the 2-D ``t`` made once ``grad`` exists: in the backward, never hoisted into the
+    forward. Column-major, the layout in which the grad_input GEMM reads it as ``b`` (scaled_mm
+    would copy a row-major one again)."""
+    return t.t().contiguous().t()
 
 
 @_read_in_backward.register_fake
 def _(t, grad):
-    return torch.empty_like(t)
+    return t.new_empty_strided(tuple(t.shape), (1, t.shape[0]))
 
 
-def _given_in_backward(t: torch.Tensor, dy: torch.Tensor, dy_casts) -> torch.Tensor:
+def _given_in_backward(t: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tensor:
     """A weight cast FSDP2 fills only before the backward (row-wise ``w_t`` under
     ``reshard_after_forward``: the forward's all-gather carried ``w``; FSDP2 refills the buffer,
     which the autograd context holds, in its pre-backward hook), read no earlier than that.
 
     Eager, the backward reads the saved tensor when it runs, after the refill. Compiled,
-    AOTAutograd may move an op that depends only on forward inputs into the forward graph (the
-    default partitioner puts every such op there; the min-cut one may), where it read the buffer
-    before the refill: the forward's ``w`` bytes with ``w_t``'s scales (seen on two H200s with
+    AOTAutograd's partitioner may compute an op that depends only on forward inputs in the
+    forward graph and save its result (nothing in the graph says the buffer changes in
+    between), and then it read the buffer before the refill: the forward's ``w`` bytes with ``w_t``'s scales (seen on two H200s with
     torch 2.11: the gradients of every layer below the first row-wise one differed from fsdp
-    fp8 all-gather off). An opaque op that also takes the gradient cannot move there.
+    fp8 all-gather off). An opaque op that also takes the gradient cannot move there: it takes the
+    grad_output cast's scale, which exists only in the backward and is an fp32 tensor the GEMM
+    reads anyway (taking ``dy`` itself made inductor store the bf16 ``dy`` it otherwise fuses
+    into the cast unrounded, and the bits differed from the path without the given cast).
     """
     if not torch.compiler.is_compiling():
         return t
     from torch.distributed.tensor import DTensor
 
-    dep = dy_casts["dy"].scale if dy_casts else dy
-    dep = dep.to_local() if isinstance(dep, DTensor) else dep
+    dep = grad_scale.to_local() if isinstance(grad_scale, DTensor) else grad_scale
     if isinstance(t, DTensor):
         return DTensor.from_local(_read_in_backward(t.to_local(), dep), t.device_mesh, t.placements, run_check=False)
     return _read_in_backward(t, dep)
@@ -236,7 +240,7 @@ class _LinearFn(torch.autograd.Function):
             elif ctx.reuse_w:
                 b = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype, None))  # [N, K]
             elif ctx.given_wt:
-                b = Fp8Tensor(_given_in_backward(w_a, dy, dy_casts), w_b,
+                b = Fp8Tensor(_given_in_backward(w_a, qdy.scale), w_b,
                               Fp8Meta(weight_casts(recipe)[1][1], ctx.w_dtype, None))
             else:
                 b = _cast_b(w_a, recipe.weight_for_grad_input)  # [N, K] along N

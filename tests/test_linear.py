@@ -230,8 +230,8 @@ def test_backward_reads_a_given_weight_cast_after_its_refill(compiled):
     # FSDP2's row-wise fp8 all-gather under reshard_after_forward: the forward's gather carries
     # the weight's ``w`` cast, and ``w_t`` (the grad_input GEMM's) shares its buffer until FSDP2
     # refills that buffer in its pre-backward hook. The backward must read ``w_t`` then. Under
-    # compile, AOTAutograd's default partitioner puts every op that needs no gradient into the
-    # forward graph (the min-cut one may do the same): that used to read w_t's buffer while it
+    # compile, AOTAutograd's partitioner may compute an op that needs no gradient in the forward
+    # graph and save its result: that used to read w_t's buffer while it
     # still held w's bytes (wrong gradients on two H200s with torch 2.11, FSDP2 x TP, compiled).
     # The test compiles with the partition that moves every such op (``_hoisting_partition``).
     from fp8func._autograd import linear_with_casts, weight_casts
