@@ -134,13 +134,13 @@ def _given_in_backward(t: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tenso
 
     Eager, the backward reads the saved tensor when it runs, after the refill. Compiled,
     AOTAutograd's partitioner may compute an op that depends only on forward inputs in the
-    forward graph and save its result (nothing in the graph says the buffer changes in
-    between), and then it read the buffer before the refill: the forward's ``w`` bytes with ``w_t``'s scales (seen on two H200s with
-    torch 2.11: the gradients of every layer below the first row-wise one differed from fsdp
-    fp8 all-gather off). An opaque op that also takes the gradient cannot move there: it takes the
-    grad_output cast's scale, which exists only in the backward and is an fp32 tensor the GEMM
-    reads anyway (taking ``dy`` itself made inductor store the bf16 ``dy`` it otherwise fuses
-    into the cast unrounded, and the bits differed from the path without the given cast).
+    forward graph and save its result (nothing in the graph says the buffer changes in between);
+    it then read the forward's ``w`` bytes with ``w_t``'s scales (two H200s, torch 2.11: every
+    gradient below the first row-wise layer differed from fsdp fp8 all-gather off). An opaque op
+    that also takes something of the gradient cannot run before the gradient exists. It takes the
+    grad_output cast's scale, an fp32 tensor the GEMM reads anyway: given ``dy`` itself, the
+    compiled CPU run's bits changed (likely inductor then stored the bf16 ``dy`` that it otherwise
+    fuses unrounded into the cast).
     """
     if not torch.compiler.is_compiling():
         return t
@@ -148,7 +148,9 @@ def _given_in_backward(t: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tenso
 
     dep = grad_scale.to_local() if isinstance(grad_scale, DTensor) else grad_scale
     if isinstance(t, DTensor):
-        return DTensor.from_local(_read_in_backward(t.to_local(), dep), t.device_mesh, t.placements, run_check=False)
+        # shape and stride given: computing them is a graph break (torch._C's global tensor info)
+        return DTensor.from_local(_read_in_backward(t.to_local(), dep), t.device_mesh, t.placements,
+                                  run_check=False, shape=t.shape, stride=(1, t.shape[0]))
     return _read_in_backward(t, dep)
 
 

@@ -225,15 +225,26 @@ def test_kernel_granularities_are_the_kernels_own():
         assert _has_kernel(g) == supported, g
 
 
+@pytest.mark.parametrize("dtensor", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_backward_reads_a_given_weight_cast_after_its_refill(compiled):
+def test_backward_reads_a_given_weight_cast_after_its_refill(compiled, dtensor):
     # FSDP2's row-wise fp8 all-gather under reshard_after_forward: the forward's gather carries
     # the weight's ``w`` cast, and ``w_t`` (the grad_input GEMM's) shares its buffer until FSDP2
     # refills that buffer in its pre-backward hook. The backward must read ``w_t`` then. Under
     # compile, AOTAutograd's partitioner may compute an op that needs no gradient in the forward
     # graph and save its result: that used to read w_t's buffer while it
     # still held w's bytes (wrong gradients on two H200s with torch 2.11, FSDP2 x TP, compiled).
-    # The test compiles with the partition that moves every such op (``_hoisting_partition``).
+    # The test compiles with the partition that moves every such op (``_hoisting_partition``);
+    # ``dtensor``: the operands are DTensors (a one-rank mesh), as under TP.
+    if dtensor:
+        from .dist_harness import run_workers
+
+        assert run_workers(_refill_case, 1, compiled, True) == [(True, True)]
+    else:
+        assert _refill_case(0, 1, compiled, False) == (True, True)
+
+
+def _refill_case(rank, world_size, compiled, dtensor):
     from fp8func._autograd import linear_with_casts, weight_casts
 
     recipe = f8.Recipe.from_name("rowwise")
@@ -243,6 +254,14 @@ def test_backward_reads_a_given_weight_cast_after_its_refill(compiled):
     w_hp = torch.randn(32, 128, dtype=torch.bfloat16)
     qw, qt = f8.quantize(w_hp, spec_w), f8.quantize(w_hp, spec_t)
     buffer = qw.data.clone()  # as after the forward's all-gather: w's bytes where w_t will be
+    if dtensor:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        wrap = lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False)  # noqa: E731
+    else:
+        wrap = lambda t: t  # noqa: E731
 
     def fn(x, w, w_data, w_scale, wt_data, wt_scale):
         casts = {"w": f8.Fp8Tensor(w_data, w_scale, qw.meta), "w_t": f8.Fp8Tensor(wt_data, wt_scale, qt.meta)}
@@ -256,15 +275,15 @@ def test_backward_reads_a_given_weight_cast_after_its_refill(compiled):
         backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=_hoisting_partition)
         fn = torch.compile(fn, backend=backend, fullgraph=True)
     x, w = x0.clone().requires_grad_(), w_hp.clone().requires_grad_()
-    y = fn(x, w, qw.data, qw.scale, buffer, qt.scale)
+    y = fn(wrap(x), wrap(w), *map(wrap, (qw.data, qw.scale, buffer, qt.scale)))
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
         buffer.copy_(qt.data)  # FSDP2's pre-backward all-gather refills the buffer with w_t
+    y = y.to_local() if dtensor else y
     y.float().square().sum().backward()
 
     x_ref, w_ref = x0.clone().requires_grad_(), w_hp.clone().requires_grad_()
     f8.linear(x_ref, w_ref, None, recipe=recipe).float().square().sum().backward()
-    assert torch.equal(x.grad, x_ref.grad)
-    assert torch.equal(w.grad, w_ref.grad)
+    return torch.equal(x.grad, x_ref.grad), torch.equal(w.grad, w_ref.grad)
 
 
 def _hoisting_partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
