@@ -82,6 +82,14 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
             "precomputed_used": len(used)}
 
 
+def _train_on_off(rank, world_size, recipe, *args):
+    """``_train`` with the fp8 all-gather on, then off, in the same processes (one spawn: starting
+    and importing is a good part of a short run). ``args``: ``_train``'s after ``fp8_gather``."""
+    on = _train(rank, world_size, recipe, True, *args)
+    torch._dynamo.reset()
+    return on, _train(rank, world_size, recipe, False, *args)
+
+
 def _row_scale_bytes(model, world_size: int) -> int:
     """Bytes of row-split scales one rank adds to FSDP2's all-gather of all the fp8 weights: the
     forward cast's scale groups of its row shard, fp32 (tensorwise: none, its scale spans the
@@ -140,10 +148,9 @@ def test_fsdp_one_rank_mesh(recipe, reshard):
     # dp=1 (TP only, or one GPU, with fully_shard applied anyway): FSDP2 then skips the collective
     # and copies only the first all-gather input; the second row-wise payload and the row scales
     # must still reach the gathered weight.
-    on = run_workers(_train, 1, recipe, True, 4, reshard, "fp32-master")
-    off = run_workers(_train, 1, recipe, False, 4, reshard, "fp32-master")
-    assert on[0]["losses"] == off[0]["losses"]
-    assert on[0]["bytes"] == off[0]["bytes"] == 0  # no collective on one rank
+    [(on, off)] = run_workers(_train_on_off, 1, recipe, 4, reshard, "fp32-master")
+    assert on["losses"] == off["losses"]
+    assert on["bytes"] == off["bytes"] == 0  # no collective on one rank
 
 
 def test_precompute_scales_keeps_the_contract():
@@ -157,10 +164,9 @@ def test_precompute_scales_keeps_the_contract():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_fsdp_compiled_on_off_bitwise(recipe):
-    on = run_workers(_train, 2, recipe, True, 3, True, "fp32-master", False, True)
-    off = run_workers(_train, 2, recipe, False, 3, True, "fp32-master", False, True)
-    assert on[0]["losses"] == off[0]["losses"]
-    assert on[0]["bytes"] < off[0]["bytes"]
+    (on, off), _ = run_workers(_train_on_off, 2, recipe, 3, True, "fp32-master", False, True)
+    assert on["losses"] == off["losses"]
+    assert on["bytes"] < off["bytes"]
 
 
 def _misaligned_blocks(rank, world_size):
