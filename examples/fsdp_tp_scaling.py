@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import fp8func as f8
 from _common import add_model_args, config_kwargs, emit, environment, local_device, shard_2d
@@ -171,23 +171,33 @@ def torchao_sp_plans() -> tuple[dict, dict]:
     return model_plan, block_plan
 
 
-def convert(model, name: str) -> tuple[dict, dict]:
-    """Converts ``model`` for configuration ``name`` in place; returns its (model, layer) TP plans."""
+def convert(model, name: str, fp8_lm_head: bool = False) -> tuple[dict, dict]:
+    """Converts ``model`` for configuration ``name`` in place; returns its (model, layer) TP plans.
+
+    Without ``fp8_lm_head`` the vocabulary projection stays bf16 (stock ``ColwiseParallel``) in
+    every configuration: it runs outside the per-layer compiled regions, where an FP8 linear on
+    DTensors casts eagerly (docs/benchmarks.md measures both)."""
     lib, recipe, fp8_gather = CONFIGS[name]
+    keep = (lambda module, fqn: True) if fp8_lm_head else (lambda module, fqn: fqn != "lm_head")
     if lib == "fp8func":
-        f8.convert(model, recipe, fsdp_fp8_all_gather=fp8_gather)
-        return sp_plans(fp8_styles=True)
-    if lib == "torchao":
+        f8.convert(model, recipe, fsdp_fp8_all_gather=fp8_gather, filter=keep)
+        plans = sp_plans(fp8_styles=True)
+    elif lib == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_gather))
-        return torchao_sp_plans()
-    return sp_plans(fp8_styles=False)
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_gather),
+                                   module_filter_fn=keep)
+        plans = torchao_sp_plans()
+    else:
+        return sp_plans(fp8_styles=False)
+    if not fp8_lm_head:
+        plans[0]["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    return plans
 
 
 def build(args, name: str, mesh, device):
     model = build_llama(args, device)
-    shard_2d(model, mesh, *convert(model, name))
+    shard_2d(model, mesh, *convert(model, name, args.fp8_lm_head))
     if args.compile:  # per-layer compile, FSDP2's hooks eager (the torchtitan layout)
         for layer in model.model.layers:
             layer.compile()
@@ -342,6 +352,8 @@ def parse_args():
     p.add_argument("--bytes-steps", type=int, default=2, help="steps after the warm-up whose collectives are counted")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer (default: on for cuda, off for cpu)")
+    p.add_argument("--fp8-lm-head", action="store_true",
+                   help="convert the vocabulary projection (lm_head) too; by default it stays bf16 in every config")
     p.add_argument("--deterministic", choices=("strict", "warn", "off"), default="strict",
                    help="strict: deterministic kernels, erroring where none exists (flash attention's backward "
                         "is deterministic only so); warn: warn there instead; off: fastest kernels")
@@ -410,7 +422,8 @@ def report(args, rows, world, mesh) -> None:
     description = (f"Llama {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, heads {args.heads}/"
                    f"{args.kv_heads} kv, vocab {args.vocab}, seq {args.seq}, batch {args.batch} per dp rank, "
                    f"{args.steps} steps ({args.warmup} warm-up), {args.attn} attention, fp32 master + bf16 "
-                   f"MixedPrecisionPolicy, AdamW lr {args.lr}, FSDP2 over dp x sequence-parallel TP over tp. "
+                   f"MixedPrecisionPolicy, AdamW lr {args.lr}, FSDP2 over dp x sequence-parallel TP over tp, "
+                   f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'} in the FP8 configs. "
                    f"All-gathered MiB: what one rank sends per step (FSDP2 weights over dp / activations and "
                    f"gradients over tp), from the c10d flight recorder over {args.bytes_steps} step(s).")
     header = ("| config | FSDP2 fp8 all-gather | tokens/s (global) | vs bf16 | all-gather MiB/step/rank dp / tp "

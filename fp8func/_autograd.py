@@ -14,9 +14,11 @@ import torch
 from ._delayed import LinearScalingState, ScalingState
 from ._gathered import gathered_casts
 from ._gemm import gemm
-from ._ops import quantize
+from ._ops import quantize, quantize_with_scale
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import AxisWise, BlockWise, CastSpec, Recipe, TensorWise, block_lengths, transpose_granularity
+from ._scaling import (AxisWise, BlockWise, CastSpec, Recipe, TensorWise, block_lengths, compute_scale,
+                       transpose_granularity)
+from ._sharding import Sharding, reduce_amax
 
 __all__ = ["linear"]
 
@@ -48,14 +50,42 @@ def _use_kernels(t: torch.Tensor, spec: CastSpec) -> bool:
     return KERNELS == "reference" or t.is_cuda
 
 
-def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-    """``quantize(t, spec)`` and, with ``transpose``, ``quantize(t.T, spec)`` (a row-major
-    ``[K, M]`` payload), by the fused kernels where they apply: one amax for both copies."""
-    if _use_kernels(t, spec):
+def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False,
+          sharding: tuple[Sharding, ...] = ()) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+    """``quantize(t, spec, sharding=sharding)`` and, with ``transpose``, ``quantize(t.T, spec)``
+    (a row-major ``[K, M]`` payload), by the fused kernels where they apply: one amax for both
+    copies. ``sharding``: ``t`` is a local shard whose amax is reduced over these (as ``quantize``'s
+    ``sharding``); where it needs reducing, the kernels run the amax and the cast as two launches
+    around the reduction (a transposed copy then only for tensorwise / square blocks)."""
+    mesh_dims = [(sh, sh.amax_mesh_dims(spec.granularity, tuple(t.shape))) for sh in sharding]
+    reduced = any(dims for _, dims in mesh_dims)
+    if _use_kernels(t, spec) and not (reduced and transpose and not _transpose_invariant(spec)):
         from . import kernels
 
-        return kernels.quantize(t, spec, transpose=transpose, impl="reference" if KERNELS == "reference" else "auto")
-    return quantize(t, spec), (quantize(t.t(), spec) if transpose else None)
+        impl = "reference" if KERNELS == "reference" else "auto"
+        if not reduced:
+            q, q_t = kernels.quantize(t, spec, transpose=transpose, impl=impl)
+        else:
+            amax = kernels.amax(t, spec.granularity, impl=impl)
+            for sh, dims in mesh_dims:
+                amax = reduce_amax(amax, sh.mesh, dims)
+            scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
+            data, data_t = kernels.cast(t, scale, spec, transpose=transpose, impl=impl)
+            meta = Fp8Meta(spec, t.dtype, None)
+            q = Fp8Tensor(data, scale, meta)
+            q_t = Fp8Tensor(data_t, scale, meta) if transpose else None  # tensorwise: blocks are never reduced
+        if len(sharding) == 1:  # quantize records a single sharding in the meta
+            q = Fp8Tensor(q.data, q.scale, Fp8Meta(spec, t.dtype, sharding[0]))
+        return q, q_t
+    q = quantize(t, spec, sharding=sharding or None)
+    if not transpose:
+        return q, None
+    if _transpose_invariant(spec):
+        # The same groups seen transposed: the same amaxes, so the forward cast's scales, bitwise.
+        # Not a second amax, which compiled code reads in the transposed order (an H200 took 1.7
+        # ms for the one of a [8192, 7168] grad_output inside a TP layer, against 0.12 ms).
+        return q, quantize_with_scale(t.t(), q.scale.t(), spec)
+    return q, quantize(t.t(), spec, sharding=tuple(sh.transpose(2, 0, 1) for sh in sharding) or None)
 
 
 def _transpose_invariant(spec: CastSpec) -> bool:

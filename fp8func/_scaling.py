@@ -213,6 +213,12 @@ def compute_amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
         return x.new_zeros(scale_shape(granularity, shape), dtype=torch.float32)
     if x.ndim == 0:
         return x.abs().float()
+    if isinstance(granularity, TensorWise) and x.ndim > 1:
+        # One group (scale shape all ones, whatever the dim order): reduce in memory order, max is
+        # exact in any order. A compiled reduction of a transposed view walks memory with a stride.
+        x = x.permute(sorted(range(x.ndim), key=lambda d: -x.stride(d)))
+        shape = tuple(x.shape)
+        blocks = block_lengths(granularity, shape)
     flat, _, groups = _patterns(x.ndim)
     return einops.reduce(x.abs(), f"{flat} -> {groups}", "max", **_block_sizes(shape, blocks)).float()
 

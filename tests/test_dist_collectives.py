@@ -74,13 +74,36 @@ def _two_d(rank, world_size):
         q = f8.all_gather(f8.all_gather(q, mesh, 1, 1), mesh, 0, 0)
         want = f8.quantize(x, spec)
         out[name] = torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
+        out[name + "_kernels"] = _kernel_cast_is_quantize(shard.contiguous(), spec, sharding)
     return out
+
+
+def _kernel_cast_is_quantize(shard, spec, sharding) -> bool:
+    """``_cast`` through the kernel dispatch (its twins on the CPU: amax, mesh reduction, cast with
+    the reduced scale; FSDP2's pre-all-gather and the TP sequence gather use it) is ``quantize``."""
+    import fp8func._autograd as autograd_mod
+
+    before, autograd_mod.KERNELS = autograd_mod.KERNELS, "reference"
+    try:
+        tensorwise = isinstance(spec.granularity, f8.TensorWise)
+        q, q_t = autograd_mod._cast(shard, spec, transpose=tensorwise, sharding=(sharding,))
+    finally:
+        autograd_mod.KERNELS = before
+    want = f8.quantize(shard, spec, sharding=sharding)
+    same = (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
+            and q.meta == want.meta)
+    if tensorwise:
+        want_t = f8.quantize(shard.t(), spec, sharding=sharding.transpose(2, 0, 1))
+        same = same and torch.equal(q_t.data.view(torch.uint8), want_t.data.view(torch.uint8))
+        same = same and torch.equal(q_t.scale, want_t.scale)
+    return same
 
 
 def test_two_d_mesh_reduces_over_exactly_the_right_dims():
     res = run_workers(_two_d, 4)
     for r in res:
         assert r["tensorwise"] and r["rowwise"] and r["colwise"], r
+        assert r["tensorwise_kernels"] and r["rowwise_kernels"] and r["colwise_kernels"], r
         assert r["tensorwise_dims"] == (0, 1)  # split along both dims
         assert r["rowwise_dims"] == (1,)  # a row scale spans dim 1 only
         assert r["colwise_dims"] == (0,)

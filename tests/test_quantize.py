@@ -178,3 +178,27 @@ def test_empty_tensor():
     for g in [f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(0)]:
         q = f8.quantize(torch.empty(0, 16), f8.CastSpec(granularity=g))
         assert q.data.shape == (0, 16) and torch.isfinite(q.scale).all()
+
+
+@given(x=tensors(shapes_2d(mult=(4, 4)), specials=True), dtype=st.sampled_from(DTYPES), p2=st.booleans(),
+       square=st.booleans())
+def test_transposed_copy_with_the_forward_scales_is_a_fresh_cast(x, dtype, p2, square):
+    """``linear`` casts the transposed copy of a tensorwise / square-block operand with the forward
+    cast's scales instead of a second amax (``_autograd._cast``): bitwise a fresh cast of ``x.T``."""
+    from fp8func._autograd import _cast
+
+    spec = f8.CastSpec(dtype=dtype, granularity=f8.BlockWise((4, 4)) if square else f8.TensorWise(), power_of_2=p2)
+    q, q_t = _cast(x, spec, transpose=True)
+    fresh = f8.quantize(x.t(), spec)
+    assert torch.equal(q_t.data.view(torch.uint8), fresh.data.view(torch.uint8))
+    assert torch.equal(q_t.scale.nan_to_num(nan=-1.0), fresh.scale.nan_to_num(nan=-1.0))
+
+
+@given(x=tensors(shapes_nd(3, 3), specials=True), perm=st.permutations(range(3)))
+def test_tensorwise_amax_of_a_permuted_view(x, perm):
+    """The tensorwise amax reduces a non-contiguous view in memory order: the same value."""
+    from fp8func._scaling import compute_amax
+
+    v = x.permute(perm)
+    expect = x.abs().max().float().reshape(1, 1, 1)
+    assert torch.equal(compute_amax(v, f8.TensorWise()).nan_to_num(nan=-1.0), expect.nan_to_num(nan=-1.0))

@@ -25,12 +25,18 @@ RECIPES = ("tensorwise", "rowwise", "blockwise")
 FAST_FWD = "+fastfwd"
 
 
+# fp8func recipes that torchao does not have, and the torchao recipe each is compared with:
+# "delayed" (tensorwise with a 16-step amax history, TransformerEngine's default scaling; torchao
+# removed its delayed scaling) against torchao's dynamic tensorwise.
+TORCHAO_PEER = {"delayed": "tensorwise"}
+
+
 def parse_recipe(name: str) -> tuple[str, f8.Recipe]:
     """(the torchao recipe to compare with, fp8func's Recipe) for a benchmark recipe name."""
     if name.endswith(FAST_FWD):
         base = name[: -len(FAST_FWD)]
-        return base, f8.Recipe.from_name(base, fast_accum=("output",))
-    return name, f8.Recipe.from_name(name)
+        return TORCHAO_PEER.get(base, base), f8.Recipe.from_name(base, fast_accum=("output",))
+    return TORCHAO_PEER.get(name, name), f8.Recipe.from_name(name)
 
 
 def torchao_linear(linear: nn.Linear, recipe: str) -> nn.Module | None:

@@ -18,9 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from .._autograd import activation_casts, grad_output_casts
+from .._autograd import _cast, activation_casts, grad_output_casts
 from .._collectives import _gather_padded
-from .._ops import quantize
 from .._qtensor import Fp8Tensor
 from .._scaling import Recipe, raw_block_lengths
 from .._sharding import Sharding
@@ -75,7 +74,7 @@ def _gather_casts(x_local: torch.Tensor, mesh: DeviceMesh, specs) -> DTensor:
     sharding = Sharding(mesh, (Shard(0),))  # the tokens are split over the TP group
     casts = {}
     for name, spec in specs:
-        q = quantize(rows, spec, sharding=sharding)
+        q = _cast(rows, spec, sharding=(sharding,))[0]  # the fused kernels on CUDA: this runs eagerly
         data = _gather_padded(q.data.view(torch.uint8).reshape(b, s_local, f), 1, sizes, mesh, 0)
         scale = q.scale
         block = _token_block(spec)
