@@ -204,6 +204,21 @@ def build(args, name: str, mesh, device):
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
 
 
+def scale_precompute(args, name: str):
+    """What ``name`` runs after each optimizer step with ``--precompute-scales``: every tensorwise
+    fp8-gathered weight's scale in one all-reduce instead of one per weight in FSDP2's hook
+    (fp8func ``precompute_scales``, torchao ``precompute_float8_dynamic_scale_for_fsdp``; same
+    numbers either way). None where it does not apply."""
+    lib, recipe, fp8_gather = CONFIGS[name]
+    if not (args.precompute_scales and fp8_gather and recipe == "tensorwise"):
+        return None
+    if lib == "torchao":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        return precompute_float8_dynamic_scale_for_fsdp
+    return f8.precompute_scales
+
+
 def causal_mask(args, device):
     """The mask of the whole sequence: the layers see all tokens after the sequence gather, while
     HF would size its mask from the embedding's output, which holds this rank's tokens only."""
@@ -235,6 +250,7 @@ def sync(device):
 def train(args, name, mesh, device, recorder):
     """Trains configuration ``name``; returns per-step losses (mean over dp), times and bytes."""
     model, opt = build(args, name, mesh, device)
+    precompute = scale_precompute(args, name)
     dp_group, dp_rank = mesh["dp"].get_group(), mesh.get_local_rank("dp")
     positions, mask = torch.arange(args.seq, device=device)[None], causal_mask(args, device)
     warmup = min(args.warmup, args.steps - 1)
@@ -252,6 +268,8 @@ def train(args, name, mesh, device, recorder):
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if precompute is not None:
+                precompute(model)
             sync(device)
             times.append(time.perf_counter() - t0)
             if step == last_measured:
@@ -352,6 +370,9 @@ def parse_args():
     p.add_argument("--bytes-steps", type=int, default=2, help="steps after the warm-up whose collectives are counted")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer (default: on for cuda, off for cpu)")
+    p.add_argument("--precompute-scales", action=argparse.BooleanOptionalAction, default=True,
+                   help="tensorwise with FSDP2 fp8 all-gather: compute the weights' scales in one all-reduce "
+                        "after each optimizer step (both libraries; the recommended FSDP2 setting)")
     p.add_argument("--fp8-lm-head", action="store_true",
                    help="convert the vocabulary projection (lm_head) too; by default it stays bf16 in every config")
     p.add_argument("--deterministic", choices=("strict", "warn", "off"), default="strict",
@@ -423,7 +444,8 @@ def report(args, rows, world, mesh) -> None:
                    f"{args.kv_heads} kv, vocab {args.vocab}, seq {args.seq}, batch {args.batch} per dp rank, "
                    f"{args.steps} steps ({args.warmup} warm-up), {args.attn} attention, fp32 master + bf16 "
                    f"MixedPrecisionPolicy, AdamW lr {args.lr}, FSDP2 over dp x sequence-parallel TP over tp, "
-                   f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'} in the FP8 configs. "
+                   f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'} in the FP8 configs, tensorwise weight "
+                   f"scales {'precomputed after each optimizer step' if args.precompute_scales else 'in the FSDP2 hook'}. "
                    f"All-gathered MiB: what one rank sends per step (FSDP2 weights over dp / activations and "
                    f"gradients over tp), from the c10d flight recorder over {args.bytes_steps} step(s).")
     header = ("| config | FSDP2 fp8 all-gather | tokens/s (global) | vs bf16 | all-gather MiB/step/rank dp / tp "

@@ -88,6 +88,19 @@ def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False,
     return q, quantize(t.t(), spec, sharding=tuple(sh.transpose(2, 0, 1) for sh in sharding) or None)
 
 
+def _cast_with_scale(t: torch.Tensor, scale: torch.Tensor, spec: CastSpec,
+                     sharding: tuple[Sharding, ...] = ()) -> Fp8Tensor:
+    """``quantize_with_scale(t, scale, spec)`` (e.g. a precomputed, mesh-reduced scale), by the
+    fused cast kernel where it applies."""
+    meta = Fp8Meta(spec, t.dtype, sharding[0] if len(sharding) == 1 else None)
+    if _use_kernels(t, spec):
+        from . import kernels
+
+        data, _ = kernels.cast(t, scale, spec, impl="reference" if KERNELS == "reference" else "auto")
+        return Fp8Tensor(data, scale, meta)
+    return quantize_with_scale(t, scale, spec, sharding=sharding[0] if len(sharding) == 1 else None)
+
+
 def _transpose_invariant(spec: CastSpec) -> bool:
     """True when quantize(t.T, spec) == quantize(t, spec).T for every 2-D t."""
     g = spec.granularity

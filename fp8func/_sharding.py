@@ -106,7 +106,9 @@ def check_blocks_within_shards(x: DTensor, granularity: Granularity) -> None:
 
 
 def reduce_amax(amax: torch.Tensor, mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
-    """All-reduce (MAX) ``amax`` over ``mesh_dims`` of ``mesh``; traceable by dynamo."""
+    """All-reduce (MAX) ``amax`` over ``mesh_dims`` of ``mesh``; traceable by dynamo. A mesh dim
+    of one rank needs no collective (e.g. FSDP2 over a one-rank dp dim under TP)."""
+    mesh_dims = tuple(d for d in mesh_dims if mesh.size(d) > 1)
     for mesh_dim in mesh_dims:
         amax = funcol.all_reduce(amax, "max", (mesh, mesh_dim))
     if mesh_dims:

@@ -58,13 +58,13 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
     if precompute:
         import fp8func.distributed._fsdp as fsdp_mod
 
-        orig = fsdp_mod.quantize_with_scale
+        orig = fsdp_mod._cast_with_scale
 
         def counting(*a, **k):
             used.append(1)
             return orig(*a, **k)
 
-        fsdp_mod.quantize_with_scale = counting
+        fsdp_mod._cast_with_scale = counting
     with _CountAllGather() as counter:
         for step in range(steps):
             ids, labels = batch(step, rank)

@@ -33,10 +33,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
-from .._autograd import _cast, weight_casts
+from .._autograd import _cast, _cast_with_scale, weight_casts
 from .._collectives import _gather_padded
 from .._gathered import Fp8GatheredWeight
-from .._ops import quantize_with_scale
 from .._qtensor import Fp8Meta, Fp8Tensor
 from .._scaling import Recipe, TensorWise, block_lengths, compute_amax, compute_scale
 from .._sharding import Sharding, reduce_amax
@@ -215,7 +214,7 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
     def _cast(self, shard, spec, sharding, *, single: bool, data: bool) -> Fp8Tensor:
         precomputed = self._precomputed
         if single and precomputed is not None and precomputed[0] == self._tensor._version:
-            return quantize_with_scale(shard, precomputed[1], spec, sharding=sharding)
+            return _cast_with_scale(shard, precomputed[1], spec, sharding)
         if data:  # the fused kernels on CUDA (this hook runs eagerly, outside compiled regions)
             return _cast(shard, spec, sharding=sharding)[0]
         # Only the scale is needed now (the payload travels in the other pass).
