@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp8func as f8
+from fp8func._autograd import weight_casts
 
 from .dist_harness import run_workers
 from .models import batch, tiny_qwen3
@@ -55,9 +56,17 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses, covered = [], []
     used = []
-    if precompute:
-        import fp8func.distributed._fsdp as fsdp_mod
+    import fp8func.distributed._fsdp as fsdp_mod
 
+    fresh = []  # scales the pre-all-gather hook computed (amax and its all-reduce), not reused
+    restore = {fn_name: getattr(fsdp_mod, fn_name) for fn_name in ("_cast", "compute_amax", "_cast_with_scale")}
+    for fn_name in ("_cast", "compute_amax"):
+        def count(*a, _orig=restore[fn_name], **k):
+            fresh.append(1)
+            return _orig(*a, **k)
+
+        setattr(fsdp_mod, fn_name, count)
+    if precompute:
         orig = fsdp_mod._cast_with_scale
 
         def counting(*a, **k):
@@ -72,14 +81,17 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
             loss.backward()
             opt.step()
             opt.zero_grad()
-            if precompute:
+            if precompute == "once" and step == 0 or precompute is True:
                 covered.append(f8.precompute_scales(model))
             losses.append(loss.detach().float().item())
+    for fn_name, fn in restore.items():
+        setattr(fsdp_mod, fn_name, fn)
     n_layers = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, f8.nn.Fp8Linear))
     n_root = model.lm_head.weight.numel() if isinstance(model.lm_head, f8.nn.Fp8Linear) else 0
     return {"losses": losses, "bytes": counter.bytes, "fp8_numel_layers": n_layers, "fp8_numel_root": n_root,
             "scale_bytes": _row_scale_bytes(model, world_size) if fp8_gather else 0, "covered": covered,
-            "precomputed_used": len(used)}
+            "precomputed_used": len(used), "fresh_scales": len(fresh),
+            "fp8_casts": sum(len(weight_casts(m.recipe)) for m in model.modules() if isinstance(m, f8.nn.Fp8Linear))}
 
 
 def _train_on_off(rank, world_size, recipe, *args):
@@ -110,8 +122,10 @@ def _row_scale_bytes(model, world_size: int) -> int:
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_fsdp_fp8_all_gather_on_off_bitwise_and_bytes(recipe):
     steps = 20
-    on = run_workers(_train, 2, recipe, True, steps, True, "fp32-master")
-    off = run_workers(_train, 2, recipe, False, steps, True, "fp32-master")
+    on, off = zip(*run_workers(_train_on_off, 2, recipe, steps, True, "fp32-master"))
+    # The backward's all-gather casts the unchanged weights again with the forward's scales: one
+    # amax (and amax all-reduce) per cast and step, not one per all-gather.
+    assert on[0]["fresh_scales"] == steps * on[0]["fp8_casts"], (on[0]["fresh_scales"], on[0]["fp8_casts"])
     for r_on, r_off in zip(on, off):
         assert r_on["losses"] == r_off["losses"], (r_on["losses"][:3], r_off["losses"][:3])
         assert all(torch.isfinite(torch.tensor(r_on["losses"])))
@@ -158,8 +172,21 @@ def test_precompute_scales_keeps_the_contract():
     off = run_workers(_train, 2, "tensorwise", False, 6, True, "fp32-master")
     assert on[0]["losses"] == off[0]["losses"]
     assert on[0]["covered"] == [15] * 6  # every converted layer: 2 decoder layers x 7, and lm_head
-    # After each of the first 5 steps, every forward and backward gather used the precomputed scale.
-    assert on[0]["precomputed_used"] == 5 * 15 * 2
+    # After each of the first 5 steps, every forward and backward gather used the precomputed scale;
+    # step 0's backward gathers reuse its forward's scales (counted too); only step 0's forward computed.
+    assert on[0]["precomputed_used"] == 5 * 15 * 2 + 15
+    assert on[0]["fresh_scales"] == 15
+
+
+def test_a_precomputed_scale_is_never_used_stale():
+    """Precomputed once, after step 0: the optimizer's later updates make it stale, so the hook
+    computes fresh scales (the optimizer writes through FSDP2's DTensor into the wrapper, below
+    autograd, where the inner tensor's ``_version`` never moves: each wrapper counts its writes)."""
+    (on, off), = [r for r in run_workers(_train_on_off, 1, "tensorwise", 3, True, "fp32-master", "once")][:1]
+    assert on["losses"] == off["losses"], (on["losses"], off["losses"])
+    assert on["covered"] == [15]
+    # step 1's two gathers per weight use it; at step 2 it is stale: one fresh scale per weight
+    assert on["precomputed_used"] >= 15 and on["fresh_scales"] == 2 * 15, (on["precomputed_used"], on["fresh_scales"])
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])

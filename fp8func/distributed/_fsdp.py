@@ -156,7 +156,12 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         self._tensor = tensor
         self._recipe = recipe
         self._param_dtype: torch.dtype | None = None  # learnt at the first all-gather
-        self._precomputed: tuple[int, torch.Tensor] | None = None  # (tensor version, scale)
+        self._precomputed: tuple[tuple, torch.Tensor] | None = None  # (weight_version(), scale)
+        self._writes = 0  # in-place ops on this wrapper (see weight_version)
+        # Each cast's scale from the last all-gather, by cast name: (weight_version(), scale). The
+        # backward's all-gather (reshard_after_forward) casts the unchanged weight again and
+        # reuses them: no second amax and amax all-reduce per weight and step.
+        self._scales: dict[str, tuple[int, torch.Tensor]] = {}
         self._fsdp_group = None  # weakrefs to FSDP2's (param group, FSDPParam), found at the first all-gather
         self._n_slots: int | None = None
 
@@ -164,12 +169,23 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        recipe = next(t._recipe for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
+        wrappers = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls)]
+        if func._schema.is_mutable:  # e.g. the optimizer's update: scales made before are stale
+            for t in wrappers:
+                t._writes += 1
+        recipe = wrappers[0]._recipe
         args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _PRESERVE:
             return out
         return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, recipe), out)
+
+    def weight_version(self) -> tuple[int, int]:
+        """Changes whenever the weight's values may have: in-place ops on this wrapper (the
+        optimizer's step, ``copy_`` from a checkpoint), or on its storage from elsewhere. Ops inside
+        ``__torch_dispatch__`` run below autograd and never bump the inner tensor's ``_version``
+        (the optimizer's update left it at 0), so the wrapper counts its own writes."""
+        return self._writes, self._tensor._version
 
     def __tensor_flatten__(self):
         return ["_tensor"], self._recipe
@@ -206,23 +222,32 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         slots = self._slots(module, [name for name, _ in casts])
         inputs, entries = [], []
         for name, spec in casts:
-            q = self._cast(shard, spec, sharding, single=len(casts) == 1, data=name in slots)
+            q = self._cast(name, shard, spec, sharding, single=len(casts) == 1, data=name in slots)
             add_all_gather_input(inputs, entries, name, q, slots, sizes, mesh, param_dtype)
         entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
         return tuple(inputs), (entries, tuple(slots), n)
 
-    def _cast(self, shard, spec, sharding, *, single: bool, data: bool) -> Fp8Tensor:
+    def _cast(self, name, shard, spec, sharding, *, single: bool, data: bool) -> Fp8Tensor:
+        version = self.weight_version()
         precomputed = self._precomputed
-        if single and precomputed is not None and precomputed[0] == self._tensor._version:
+        if single and precomputed is not None and precomputed[0] == version:
             return _cast_with_scale(shard, precomputed[1], spec, sharding)
+        cached = self._scales.get(name)
+        if cached is not None and cached[0] == version:  # the weight is unchanged since: same scale
+            if data:
+                return _cast_with_scale(shard, cached[1], spec, sharding)
+            return Fp8Tensor(shard, cached[1], Fp8Meta(spec, shard.dtype, None))
         if data:  # the fused kernels on CUDA (this hook runs eagerly, outside compiled regions)
-            return _cast(shard, spec, sharding=sharding)[0]
-        # Only the scale is needed now (the payload travels in the other pass).
-        amax = compute_amax(shard, spec.granularity)
-        for sh in sharding:
-            amax = reduce_amax(amax, sh.mesh, sh.amax_mesh_dims(spec.granularity, tuple(shard.shape)))
-        scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
-        return Fp8Tensor(shard, scale, Fp8Meta(spec, shard.dtype, None))
+            q = _cast(shard, spec, sharding=sharding)[0]
+        else:
+            # Only the scale is needed now (the payload travels in the other pass).
+            amax = compute_amax(shard, spec.granularity)
+            for sh in sharding:
+                amax = reduce_amax(amax, sh.mesh, sh.amax_mesh_dims(spec.granularity, tuple(shard.shape)))
+            scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
+            q = Fp8Tensor(shard, scale, Fp8Meta(spec, shard.dtype, None))
+        self._scales[name] = (version, q.scale)
+        return q
 
 
 class _ScaleInput(NamedTuple):
@@ -419,6 +444,6 @@ def precompute_scales(model: torch.nn.Module) -> int:
         amax = reduce_amax(amax, mesh, tuple(range(mesh.ndim)))
         for w, a in zip(weights, amax):
             scale = compute_scale(a.reshape(1, 1), w._recipe.weight.dtype, w._recipe.weight.pow2_scales)
-            w._precomputed = (w._tensor._version, scale)
+            w._precomputed = (w.weight_version(), scale)
         covered += len(weights)
     return covered
