@@ -10,6 +10,7 @@ of being recomputed: the same values, bitwise, and half the saved activation mem
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from ._delayed import LinearScalingState, ScalingState
 from ._gathered import gathered_casts
@@ -17,8 +18,8 @@ from ._gemm import gemm
 from ._ops import quantize, quantize_with_scale
 from ._qtensor import Fp8Meta, Fp8Tensor
 from ._scaling import (AxisWise, BlockWise, CastSpec, Recipe, TensorWise, block_lengths, compute_scale,
-                       transpose_granularity)
-from ._sharding import Sharding, reduce_amax
+                       raw_block_lengths, scale_shape, transpose_granularity)
+from ._sharding import Sharding, check_blocks_within_shards, reduce_amax
 
 __all__ = ["linear"]
 
@@ -50,6 +51,50 @@ def _use_kernels(t: torch.Tensor, spec: CastSpec) -> bool:
     return KERNELS == "reference" or t.is_cuda
 
 
+def _dtensor_kernels(t, spec: CastSpec, transpose: bool) -> bool:
+    """Whether an eager cast of DTensor ``t`` runs the kernels on its local shard (``_cast_dtensor``).
+
+    Eager only: compiled, inductor fuses the DTensor casts into the graph around them. Shard /
+    Replicate placements (a Partial tensor's amax says nothing about the sum's); a transposed
+    copy for tensorwise only (the other granularities take other groups for ``t.T``)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor) or torch.compiler.is_compiling() or (transpose and not isinstance(
+            spec.granularity, TensorWise)):
+        return False
+    if not all(isinstance(p, (Shard, Replicate)) for p in t.placements):
+        return False
+    return _use_kernels(t.to_local(), spec)
+
+
+def _cast_dtensor(t, spec: CastSpec, transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+    """``_cast`` of a DTensor: its local shard through the kernels with the amax reduced over the
+    mesh dims that split a scale group, rewrapped with the placements ``quantize`` gives (data as
+    ``t``; a scale split like the data where its groups lie within shards, else replicated)."""
+    from torch.distributed.tensor import DTensor
+
+    check_blocks_within_shards(t, spec.granularity)
+    local, mesh = t.to_local(), t.device_mesh
+    sharding = Sharding(mesh, tuple(t.placements))
+    q, q_t = _cast(local, spec, transpose, sharding=(sharding,))
+
+    def wrap(x: torch.Tensor, placements, shape) -> DTensor:
+        shape = tuple(shape)
+        return DTensor.from_local(x, mesh, placements, run_check=False, shape=shape, stride=(shape[1], 1))
+
+    blocks = raw_block_lengths(spec.granularity, tuple(local.shape))
+    scale_placements = tuple(Shard(p.dim) if isinstance(p, Shard) and blocks[p.dim % 2] is not None else Replicate()
+                             for p in t.placements)
+    meta = Fp8Meta(spec, t.dtype, None)
+    out = Fp8Tensor(wrap(q.data, t.placements, t.shape),
+                    wrap(q.scale, scale_placements, scale_shape(spec.granularity, tuple(t.shape))), meta)
+    if not transpose:
+        return out, None
+    n, m = t.shape  # tensorwise: the transposed shards, the same replicated scale
+    out_t = Fp8Tensor(wrap(q_t.data, sharding.transpose(2, 0, 1).placements, (m, n)), out.scale, meta)
+    return out, out_t
+
+
 def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False,
           sharding: tuple[Sharding, ...] = ()) -> tuple[Fp8Tensor, Fp8Tensor | None]:
     """``quantize(t, spec, sharding=sharding)`` and, with ``transpose``, ``quantize(t.T, spec)``
@@ -57,6 +102,8 @@ def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False,
     copies. ``sharding``: ``t`` is a local shard whose amax is reduced over these (as ``quantize``'s
     ``sharding``); where it needs reducing, the kernels run the amax and the cast as two launches
     around the reduction (a transposed copy then only for tensorwise / square blocks)."""
+    if not sharding and _dtensor_kernels(t, spec, transpose):
+        return _cast_dtensor(t, spec, transpose)
     mesh_dims = [(sh, sh.amax_mesh_dims(spec.granularity, tuple(t.shape))) for sh in sharding]
     reduced = any(dims for _, dims in mesh_dims)
     if _use_kernels(t, spec) and not (reduced and transpose and not _transpose_invariant(spec)):

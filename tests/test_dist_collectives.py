@@ -187,3 +187,74 @@ def test_more_sharding_errors():
     assert "a Partial() placement holds partial sums" in msgs[1]
     assert "Sharding.of: expected a DTensor, got Tensor" in msgs[2]
     assert "shard sizes [4, 2] along dim 0 are not multiples of block 4" in msgs[3]
+
+
+def _dtensor_casts(rank, world_size):
+    """Eager casts of DTensors through the kernel dispatch (twins on the CPU) against DTensor ops."""
+    import fp8func._autograd as autograd_mod
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 16, generator=g) * 4  # 9 rows: uneven over 2 ranks
+    bad = []
+
+    calls = {"reference": 0, "off": 0}
+    orig = autograd_mod._cast_dtensor
+
+    def counted(*a, **k):
+        calls[autograd_mod.KERNELS] += 1
+        return orig(*a, **k)
+
+    def run(mode, fn):
+        before, autograd_mod.KERNELS, autograd_mod._cast_dtensor = autograd_mod.KERNELS, mode, counted
+        try:
+            return fn()
+        finally:
+            autograd_mod.KERNELS, autograd_mod._cast_dtensor = before, orig
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    for placement in (Shard(0), Shard(1), Replicate()):
+        d = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [placement])
+        for gran in (f8.TensorWise(), f8.AxisWise(-1)):
+            spec = f8.CastSpec(granularity=gran)
+            transpose = isinstance(gran, f8.TensorWise)
+            ours = run("reference", lambda: autograd_mod._cast(d, spec, transpose))
+            plain = run("off", lambda: autograd_mod._cast(d, spec, transpose))
+            for a, b in zip(ours, plain):
+                if a is None:
+                    continue
+                local = lambda t: t.to_local().contiguous().view(torch.uint8)  # noqa: E731 (gloo moves no fp8)
+                same = (torch.equal(local(a.data), local(b.data))
+                        and torch.equal(full(a.scale), full(b.scale)) and a.data.placements == b.data.placements
+                        and a.scale.placements == b.scale.placements and a.data.shape == b.data.shape)
+                if not same:
+                    bad.append((str(placement), repr(gran)))
+    # a tensor-parallel linear, eager: column-parallel weight, replicated input
+    w = torch.randn(8, 16, generator=g) / 4
+    dy = torch.randn(6, 8, generator=g)
+    for recipe in ("tensorwise", "rowwise"):
+        outs = {}
+        for mode in ("reference", "off"):
+            xd = DTensor.from_local(x[:6].clone(), mesh, [Replicate()], run_check=False).requires_grad_()
+            wd = DTensor.from_local(w.chunk(2, 0)[rank].clone(), mesh, [Shard(0)], run_check=False).requires_grad_()
+            y = run(mode, lambda: f8.linear(xd, wd, recipe=recipe))
+            dy_local = dy.chunk(2, 1)[rank].contiguous()
+            run(mode, lambda: y.backward(DTensor.from_local(dy_local, mesh, [Shard(1)], run_check=False)))
+            outs[mode] = [full(t) for t in (y, xd.grad, wd.grad)]
+        if not all(torch.equal(a, b) for a, b in zip(outs["reference"], outs["off"])):
+            bad.append(("linear", recipe))
+    # 6 direct casts; tensorwise linear x, w, dy (and dy.T); row-wise x, w (its dy with the
+    # transposed copy, and the weight's grad_input cast, take other groups: DTensor ops)
+    if calls["off"] or calls["reference"] != 6 + 3 + 2:
+        bad.append(("kernel path not taken as expected", calls))
+    return bad
+
+
+def test_eager_dtensor_casts_through_the_kernels_are_the_dtensor_casts():
+    """An eager Fp8Linear on DTensors (tensor parallel without compile, or a layer outside the
+    compiled regions) casts each local shard with the kernels and the mesh-reduced amax: the same
+    bits and placements as DTensor's own ops."""
+    assert run_workers(_dtensor_casts, 2) == [[], []]
