@@ -17,7 +17,7 @@ from ._gathered import gathered_casts
 from ._gemm import gemm
 from ._ops import quantize, quantize_with_scale
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import (AxisWise, BlockWise, CastSpec, Recipe, TensorWise, block_lengths, compute_scale,
+from ._scaling import (AxisWise, BlockWise, CastSpec, Recipe, TensorWise, block_lengths, compute_amax, compute_scale,
                        raw_block_lengths, scale_shape, transpose_granularity)
 from ._sharding import Sharding, check_blocks_within_shards, reduce_amax
 
@@ -49,6 +49,17 @@ def _use_kernels(t: torch.Tensor, spec: CastSpec) -> bool:
     if t.dtype not in (torch.bfloat16, torch.float32) or not _has_kernel(spec.granularity):
         return False
     return KERNELS == "reference" or t.is_cuda
+
+
+def _amax(t: torch.Tensor, granularity) -> torch.Tensor:
+    """``compute_amax(t, granularity)``, by the amax kernel where one applies (tensorwise, per
+    row or per column of a contiguous 2-D bf16 / fp32 tensor): the same bits."""
+    rows_or_cols = isinstance(granularity, AxisWise) and granularity.axis in (-2, -1, 0, 1)
+    if (isinstance(granularity, TensorWise) or rows_or_cols) and _use_kernels(t, CastSpec(granularity=TensorWise())):
+        from . import kernels
+
+        return kernels.amax(t, granularity, impl="reference" if KERNELS == "reference" else "auto")
+    return compute_amax(t, granularity)
 
 
 def _dtensor_kernels(t, spec: CastSpec, transpose: bool) -> bool:

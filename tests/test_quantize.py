@@ -202,3 +202,21 @@ def test_tensorwise_amax_of_a_permuted_view(x, perm):
     v = x.permute(perm)
     expect = x.abs().max().float().reshape(1, 1, 1)
     assert torch.equal(compute_amax(v, f8.TensorWise()).nan_to_num(nan=-1.0), expect.nan_to_num(nan=-1.0))
+
+
+@given(x=tensors(shapes_2d(mult=(1, 1)), specials=True), gi=st.integers(0, 3), transposed=st.booleans())
+def test_amax_dispatch_is_compute_amax(x, gi, transposed):
+    """``_autograd._amax`` (FSDP2's scale-only pass) takes the amax kernel where one applies (its
+    twin here) and ``compute_amax`` otherwise: the same bits, NaN included."""
+    import fp8func._autograd as autograd_mod
+    from fp8func._scaling import compute_amax
+
+    g = [f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(0), f8.BlockWise((1, 1))][gi]
+    t = x.t() if transposed else x  # a transposed view: not contiguous, so no kernel
+    before, autograd_mod.KERNELS = autograd_mod.KERNELS, "reference"
+    try:
+        got = autograd_mod._amax(t, g)
+    finally:
+        autograd_mod.KERNELS = before
+    want = compute_amax(t, g)
+    assert got.shape == want.shape and torch.equal(got.nan_to_num(nan=-1.0), want.nan_to_num(nan=-1.0))

@@ -33,11 +33,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
-from .._autograd import _cast, _cast_with_scale, weight_casts
+from .._autograd import _amax, _cast, _cast_with_scale, weight_casts
 from .._collectives import _gather_padded
 from .._gathered import Fp8GatheredWeight
 from .._qtensor import Fp8Meta, Fp8Tensor
-from .._scaling import Recipe, TensorWise, block_lengths, compute_amax, compute_scale
+from .._scaling import Recipe, TensorWise, block_lengths, compute_scale
 from .._sharding import Sharding, reduce_amax
 
 __all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "add_all_gather_input", "chunk_sizes",
@@ -241,7 +241,7 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
             q = _cast(shard, spec, sharding=sharding)[0]
         else:
             # Only the scale is needed now (the payload travels in the other pass).
-            amax = compute_amax(shard, spec.granularity)
+            amax = _amax(shard, spec.granularity)
             for sh in sharding:
                 amax = reduce_amax(amax, sh.mesh, sh.amax_mesh_dims(spec.granularity, tuple(shard.shape)))
             scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
