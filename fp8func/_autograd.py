@@ -19,7 +19,7 @@ from ._ops import quantize, quantize_with_scale
 from ._qtensor import Fp8Meta, Fp8Tensor
 from ._scaling import (AxisWise, BlockWise, CastSpec, Recipe, TensorWise, block_lengths, compute_amax, compute_scale,
                        raw_block_lengths, scale_shape, transpose_granularity)
-from ._sharding import Sharding, check_blocks_within_shards, reduce_amax
+from ._sharding import Sharding, reduce_amax
 
 __all__ = ["linear"]
 
@@ -41,25 +41,40 @@ def _has_kernel(g) -> bool:
     return isinstance(g, BlockWise) and g.block in ((1, 128), (128, 128))
 
 
-def _use_kernels(t: torch.Tensor, spec: CastSpec) -> bool:
+def _kernel_tensor(t: torch.Tensor) -> bool:
+    """Whether the kernels take ``t``: a plain contiguous 2-D bf16 / fp32 tensor, on CUDA (or
+    anywhere with ``KERNELS == "reference"``)."""
     from torch.distributed.tensor import DTensor
 
     if KERNELS == "off" or isinstance(t, DTensor) or t.ndim != 2 or not t.is_contiguous():
         return False
-    if t.dtype not in (torch.bfloat16, torch.float32) or not _has_kernel(spec.granularity):
+    if t.dtype not in (torch.bfloat16, torch.float32):
         return False
     return KERNELS == "reference" or t.is_cuda
+
+
+def _use_kernels(t: torch.Tensor, spec: CastSpec) -> bool:
+    return _has_kernel(spec.granularity) and _kernel_tensor(t)
 
 
 def _amax(t: torch.Tensor, granularity) -> torch.Tensor:
     """``compute_amax(t, granularity)``, by the amax kernel where one applies (tensorwise, per
     row or per column of a contiguous 2-D bf16 / fp32 tensor): the same bits."""
     rows_or_cols = isinstance(granularity, AxisWise) and granularity.axis in (-2, -1, 0, 1)
-    if (isinstance(granularity, TensorWise) or rows_or_cols) and _use_kernels(t, CastSpec(granularity=TensorWise())):
+    if (isinstance(granularity, TensorWise) or rows_or_cols) and _kernel_tensor(t):
         from . import kernels
 
         return kernels.amax(t, granularity, impl="reference" if KERNELS == "reference" else "auto")
     return compute_amax(t, granularity)
+
+
+def _scale(t: torch.Tensor, spec: CastSpec, sharding: tuple[Sharding, ...] = ()) -> torch.Tensor:
+    """The scales ``quantize(t, spec, sharding=...)`` casts local shard ``t`` with: its amax
+    (the kernel where one applies) reduced over the mesh dims that split a scale group."""
+    amax = _amax(t, spec.granularity)
+    for sh in sharding:
+        amax = reduce_amax(amax, sh.mesh, sh.amax_mesh_dims(spec.granularity, tuple(t.shape)))
+    return compute_scale(amax, spec.dtype, spec.pow2_scales)
 
 
 def _dtensor_kernels(t, spec: CastSpec, transpose: bool) -> bool:
@@ -84,9 +99,8 @@ def _cast_dtensor(t, spec: CastSpec, transpose: bool) -> tuple[Fp8Tensor, Fp8Ten
     ``t``; a scale split like the data where its groups lie within shards, else replicated)."""
     from torch.distributed.tensor import DTensor
 
-    check_blocks_within_shards(t, spec.granularity)
     local, mesh = t.to_local(), t.device_mesh
-    sharding = Sharding(mesh, tuple(t.placements))
+    sharding = Sharding(mesh, tuple(t.placements))  # amax_mesh_dims raises for a block straddling shards
     q, q_t = _cast(local, spec, transpose, sharding=(sharding,))
 
     def wrap(x: torch.Tensor, placements, shape) -> DTensor:
@@ -124,10 +138,7 @@ def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False,
         if not reduced:
             q, q_t = kernels.quantize(t, spec, transpose=transpose, impl=impl)
         else:
-            amax = kernels.amax(t, spec.granularity, impl=impl)
-            for sh, dims in mesh_dims:
-                amax = reduce_amax(amax, sh.mesh, dims)
-            scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
+            scale = _scale(t, spec, sharding)
             data, data_t = kernels.cast(t, scale, spec, transpose=transpose, impl=impl)
             meta = Fp8Meta(spec, t.dtype, None)
             q = Fp8Tensor(data, scale, meta)

@@ -59,8 +59,8 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
     import fp8func.distributed._fsdp as fsdp_mod
 
     fresh = []  # scales the pre-all-gather hook computed (amax and its all-reduce), not reused
-    restore = {fn_name: getattr(fsdp_mod, fn_name) for fn_name in ("_cast", "_amax", "_cast_with_scale")}
-    for fn_name in ("_cast", "_amax"):
+    restore = {fn_name: getattr(fsdp_mod, fn_name) for fn_name in ("_cast", "_scale", "_cast_with_scale")}
+    for fn_name in ("_cast", "_scale"):
         def count(*a, _orig=restore[fn_name], **k):
             fresh.append(1)
             return _orig(*a, **k)

@@ -33,7 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
-from .._autograd import _amax, _cast, _cast_with_scale, weight_casts
+from .._autograd import _cast, _cast_with_scale, _scale, weight_casts
 from .._collectives import _gather_padded
 from .._gathered import Fp8GatheredWeight
 from .._qtensor import Fp8Meta, Fp8Tensor
@@ -156,12 +156,12 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         self._tensor = tensor
         self._recipe = recipe
         self._param_dtype: torch.dtype | None = None  # learnt at the first all-gather
-        self._precomputed: tuple[tuple, torch.Tensor] | None = None  # (weight_version(), scale)
         self._writes = 0  # in-place ops on this wrapper (see weight_version)
-        # Each cast's scale from the last all-gather, by cast name: (weight_version(), scale). The
-        # backward's all-gather (reshard_after_forward) casts the unchanged weight again and
-        # reuses them: no second amax and amax all-reduce per weight and step.
-        self._scales: dict[str, tuple[int, torch.Tensor]] = {}
+        # Each cast's scale by cast name, with the weight_version() it was made at: by the last
+        # all-gather (the backward's all-gather under reshard_after_forward casts the unchanged
+        # weight again and reuses it: no second amax and amax all-reduce per weight and step), or
+        # by precompute_scales. Used only while the version is unchanged.
+        self._scales: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
         self._fsdp_group = None  # weakrefs to FSDP2's (param group, FSDPParam), found at the first all-gather
         self._n_slots: int | None = None
 
@@ -222,30 +222,24 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         slots = self._slots(module, [name for name, _ in casts])
         inputs, entries = [], []
         for name, spec in casts:
-            q = self._cast(name, shard, spec, sharding, single=len(casts) == 1, data=name in slots)
+            q = self._cast_shard(name, shard, spec, sharding, data=name in slots)
             add_all_gather_input(inputs, entries, name, q, slots, sizes, mesh, param_dtype)
         entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
         return tuple(inputs), (entries, tuple(slots), n)
 
-    def _cast(self, name, shard, spec, sharding, *, single: bool, data: bool) -> Fp8Tensor:
+    def _cast_shard(self, name, shard, spec, sharding, *, data: bool) -> Fp8Tensor:
+        """Cast ``name`` of this shard (``data``: its payload travels now; else only its scale is
+        needed), with the kept scale while the weight is unchanged since it was made."""
         version = self.weight_version()
-        precomputed = self._precomputed
-        if single and precomputed is not None and precomputed[0] == version:
-            return _cast_with_scale(shard, precomputed[1], spec, sharding)
-        cached = self._scales.get(name)
-        if cached is not None and cached[0] == version:  # the weight is unchanged since: same scale
+        kept = self._scales.get(name)
+        if kept is not None and kept[0] == version:
             if data:
-                return _cast_with_scale(shard, cached[1], spec, sharding)
-            return Fp8Tensor(shard, cached[1], Fp8Meta(spec, shard.dtype, None))
+                return _cast_with_scale(shard, kept[1], spec, sharding)
+            return Fp8Tensor(shard, kept[1], Fp8Meta(spec, shard.dtype, None))
         if data:  # the fused kernels on CUDA (this hook runs eagerly, outside compiled regions)
             q = _cast(shard, spec, sharding=sharding)[0]
-        else:
-            # Only the scale is needed now (the payload travels in the other pass).
-            amax = _amax(shard, spec.granularity)
-            for sh in sharding:
-                amax = reduce_amax(amax, sh.mesh, sh.amax_mesh_dims(spec.granularity, tuple(shard.shape)))
-            scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
-            q = Fp8Tensor(shard, scale, Fp8Meta(spec, shard.dtype, None))
+        else:  # the payload travels in the other pass
+            q = Fp8Tensor(shard, _scale(shard, spec, sharding), Fp8Meta(spec, shard.dtype, None))
         self._scales[name] = (version, q.scale)
         return q
 
@@ -444,6 +438,6 @@ def precompute_scales(model: torch.nn.Module) -> int:
         amax = reduce_amax(amax, mesh, tuple(range(mesh.ndim)))
         for w, a in zip(weights, amax):
             scale = compute_scale(a.reshape(1, 1), w._recipe.weight.dtype, w._recipe.weight.pow2_scales)
-            w._precomputed = (w.weight_version(), scale)
+            w._scales[weight_casts(w._recipe)[0][0]] = (w.weight_version(), scale)
         covered += len(weights)
     return covered
