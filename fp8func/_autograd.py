@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from ._delayed import LinearScalingState, ScalingState
+from ._delayed import LinearScalingState, ScalingState, cast_scale, next_state, quantize_delayed
 from ._gathered import gathered_casts
 from ._gemm import gemm
 from ._ops import quantize, quantize_with_scale
@@ -399,29 +399,57 @@ class _LinearFn(torch.autograd.Function):
         return stacked, (0,) * len(stacked)
 
 
+def _cast_delayed(t: torch.Tensor, spec: CastSpec, state: ScalingState, algo: str, sharding: Sharding | None = None,
+                  transpose: bool = False) -> tuple[Fp8Tensor, Fp8Tensor | None, ScalingState]:
+    """``quantize(t, spec, state=state, algo=algo, sharding=sharding)`` and, with ``transpose``,
+    ``t.T`` cast with the same scale (a row-major ``[K, M]`` payload): ``(q, q_t, new_state)``.
+
+    By the one-pass kernel where it applies (``kernels.cast_amax``: the cast, its transposed copy
+    and the amax the next scale is made from, from one read of ``t``); else by ``quantize``,
+    which inductor compiles as an amax and a cast. The same bits either way."""
+    if _use_kernels(t, spec):
+        from . import kernels
+
+        scale = cast_scale(state)
+        data, data_t, amax = kernels.cast_amax(t, scale, spec, transpose=transpose,
+                                               impl="reference" if KERNELS == "reference" else "auto")
+        q = Fp8Tensor(data, scale, Fp8Meta(spec, t.dtype, sharding))
+        q_t = Fp8Tensor(data_t, scale, Fp8Meta(spec, t.dtype, None)) if transpose else None
+        return q, q_t, next_state(state, amax, spec, algo, sharding, tuple(t.shape))
+    q, new_state = quantize_delayed(t, spec, state, sharding=sharding, algo=algo)
+    return q, (quantize_with_scale(t.t(), q.scale.t(), spec) if transpose else None), new_state
+
+
 class _DelayedLinearFn(torch.autograd.Function):
     """The tensorwise linear with delayed scaling: the input and weight states are updated in the
     forward (returned as outputs), the grad_output state in the backward, returned as the
     *gradient* of the grad_output state inputs ("overwrite with gradient", as flax's fp8_ops), so
-    ``torch.func.grad`` / ``vjp`` hand it back and ``.grad`` carries it in eager autograd."""
+    ``torch.func.grad`` / ``vjp`` hand it back and ``.grad`` carries it in eager autograd.
+
+    ``transposes`` as ``_LinearFn``'s: the forward writes x's and w's transposed fp8 copies for
+    the backward from the same pass as their casts (tensorwise: the same scale)."""
 
     @staticmethod
-    def forward(x, weight, bias, recipe: Recipe, sharding, x_hist, x_scale, w_hist, w_scale, dy_hist, dy_scale):
+    def forward(x, weight, bias, recipe: Recipe, sharding, x_hist, x_scale, w_hist, w_scale, dy_hist, dy_scale,
+                transposes=(False, False)):
         algo = recipe.delayed.algo
-        qx, sx = quantize(x.reshape(-1, x.shape[-1]), recipe.input, state=ScalingState(x_hist, x_scale), algo=algo,
-                          sharding=sharding)
-        qw, sw = quantize(weight, recipe.weight, state=ScalingState(w_hist, w_scale), algo=algo)
+        qx, qx_t, sx = _cast_delayed(x.reshape(-1, x.shape[-1]), recipe.input, ScalingState(x_hist, x_scale), algo,
+                                     sharding, transposes[0])
+        qw, qw_t, sw = _cast_delayed(weight, recipe.weight, ScalingState(w_hist, w_scale), algo, None, transposes[1])
         y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path, fast_accum="output" in recipe.fast_accum)
+        qx = qx if qx_t is None else qx_t  # what the backward reads
+        qw = qw if qw_t is None else qw_t
         return (y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale,
                 sx.amax_history, sx.scale, sw.amax_history, sw.scale)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, recipe, *_, dy_hist, dy_scale = inputs
+        x, weight, bias, recipe, sharding, *_, dy_hist, dy_scale = inputs[:11]
         _, qx_data, qx_scale, qw_data, qw_scale, *states = output
         ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale, *states)
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, weight.dtype
-        ctx.sharding = inputs[4]
+        ctx.sharding = sharding
+        ctx.x_saved_t, ctx.w_saved_t = inputs[11] if len(inputs) > 11 else (False, False)
         ctx.has_bias, ctx.bias_dtype = bias is not None, None if bias is None else bias.dtype
         ctx.save_for_backward(qx_data, qx_scale, qw_data, qw_scale, dy_hist, dy_scale)
 
@@ -430,20 +458,23 @@ class _DelayedLinearFn(torch.autograd.Function):
         recipe: Recipe = ctx.recipe
         qx_data, qx_scale, qw_data, qw_scale, dy_hist, dy_scale = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        qdy, sdy = quantize(dy2, recipe.grad_output, state=ScalingState(dy_hist, dy_scale), algo=recipe.delayed.algo,
-                            sharding=ctx.sharding)
+        # [M, N] for grad_input and, for grad_weight, [N, M]: one pass over dy
+        qdy, qdy_t, sdy = _cast_delayed(dy2, recipe.grad_output, ScalingState(dy_hist, dy_scale), recipe.delayed.algo,
+                                        ctx.sharding, transpose=ctx.needs_input_grad[1])
         qx = Fp8Tensor(qx_data, qx_scale, Fp8Meta(recipe.input, ctx.x_dtype, None))
         qw = Fp8Tensor(qw_data, qw_scale, Fp8Meta(recipe.weight, ctx.w_dtype, None))
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = gemm(qdy, qw, out_dtype=ctx.x_dtype, path=recipe.path,
+            b = qw.t() if ctx.w_saved_t else qw  # [N, K]; column-major where the forward wrote w.T
+            dx = gemm(qdy, b, out_dtype=ctx.x_dtype, path=recipe.path,
                       fast_accum="grad_input" in recipe.fast_accum).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = gemm(qdy.t(), qx, out_dtype=ctx.w_dtype, path=recipe.path,
+            b = qx.t() if ctx.x_saved_t else qx  # [M, K]; column-major where the forward wrote x.T
+            dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path,
                       fast_accum="grad_weight" in recipe.fast_accum).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, sdy.amax_history, sdy.scale
+        return dx, dw, db, None, None, None, None, None, None, sdy.amax_history, sdy.scale, None
 
 
 def linear_delayed(
@@ -459,7 +490,9 @@ def linear_delayed(
     if not isinstance(state, LinearScalingState):
         raise TypeError(f"linear(recipe={recipe.name!r}) needs state=LinearScalingState (delayed scaling), got "
                         f"{type(state).__name__}; make one with fp8func.LinearScalingState.init(history_len).")
-    out = _DelayedLinearFn.apply(x, weight, bias, recipe, amax_sharding, *state.input, *state.weight, *state.grad_output)
+    transposes = _forward_transposes(x, weight, recipe, False, False)
+    out = _DelayedLinearFn.apply(x, weight, bias, recipe, amax_sharding, *state.input, *state.weight,
+                                 *state.grad_output, transposes)
     y, *_, xh, xs, wh, ws = out
     return y, LinearScalingState(ScalingState(xh, xs), ScalingState(wh, ws), state.grad_output)
 

@@ -91,14 +91,27 @@ def quantize_delayed(
     _check_state(state, spec)
     if algo not in AMAX_ALGOS:
         raise ValueError(f"quantize(algo={algo!r}): expected one of {AMAX_ALGOS}.")
+    q = quantize_with_scale(x, cast_scale(state, x.ndim), spec, sharding=sharding)
+    return q, next_state(state, compute_amax(x, TensorWise()), spec, algo, sharding, tuple(x.shape))
+
+
+def cast_scale(state: ScalingState, ndim: int = 2) -> torch.Tensor:
+    """The scale a delayed cast of an ``ndim``-D tensor uses: the state's, as its own tensor (not a
+    view of the state, which a module may update in place before the backward reads the cast)."""
+    return state.scale.reshape([1] * ndim).clone()
+
+
+def next_state(state: ScalingState, amax: torch.Tensor, spec: CastSpec, algo: str = "max",
+               sharding: Sharding | None = None, shape: tuple[int, ...] = ()) -> ScalingState:
+    """``state`` with ``amax`` (the cast tensor's, of any shape holding one value) recorded: the
+    history shifted by one, the scale remade from it (see the module docstring). With ``sharding``
+    the amax of a local shard of ``shape`` is first reduced over the mesh dims that split it."""
     history, scale = state
-    scale_2d = scale.reshape([1] * x.ndim).clone()  # the cast's own scale, not a view of the state
-    q = quantize_with_scale(x, scale_2d, spec, sharding=sharding)
-    amax = compute_amax(x, TensorWise()).reshape(1)
+    amax = amax.reshape(1)
     if sharding is not None:
-        amax = reduce_amax(amax, sharding.mesh, sharding.amax_mesh_dims(TensorWise(), tuple(x.shape)))
+        amax = reduce_amax(amax, sharding.mesh, sharding.amax_mesh_dims(TensorWise(), shape))
     history = torch.cat([amax, history[:-1]])
     basis = history.max() if algo == "max" else amax[0]
     fresh = compute_scale(basis, spec.dtype, spec.pow2_scales).reshape(1, 1)
     usable = torch.isfinite(basis) & (basis > 0)
-    return q, ScalingState(history, torch.where(usable, fresh, scale))
+    return ScalingState(history, torch.where(usable, fresh, scale))

@@ -26,7 +26,7 @@ from fp8func._scaling import (
 
 from . import _reference
 
-__all__ = ["IMPLS", "amax", "cast", "quantize", "triton_available"]
+__all__ = ["IMPLS", "amax", "cast", "cast_amax", "quantize", "triton_available"]
 
 IMPLS = ("auto", "triton", "reference")
 _HP_DTYPES = (torch.bfloat16, torch.float32)
@@ -165,6 +165,30 @@ def cast(
     if scale_t is not None:
         _check_scale(scale_t, scale_shape(g, (k, m)), x, "scale_t")
     return _backend(impl, x).cast(x, scale, spec, scale_t)
+
+
+def cast_amax(
+    x: torch.Tensor, scale: torch.Tensor, spec: CastSpec, *, transpose: bool = False, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Delayed scaling's cast: ``cast(x, scale, spec, transpose=transpose)`` and ``amax(x,
+    TensorWise())`` (the amax the next scale is made from), from one read of ``x``.
+
+    Tensorwise only (delayed scaling keeps one scale per tensor). Returns ``(data, data_t or
+    None, amax)``, ``amax`` float32 ``(1, 1)``; NaN in ``x`` gives the NaN ``amax`` returns.
+
+    Example:
+        >>> import torch, fp8func as f8, fp8func.kernels as k
+        >>> x = torch.tensor([[1.0, -6.0], [2.0, 0.5]])
+        >>> data, data_t, amax = k.cast_amax(x, torch.full((1, 1), 0.5), f8.CastSpec(), transpose=True)
+        >>> amax.item(), data.float().tolist()
+        (6.0, [[2.0, -12.0], [4.0, 1.0]])
+    """
+    _check_x(x, "cast_amax")
+    if not isinstance(spec, CastSpec) or not isinstance(spec.granularity, TensorWise):
+        raise ValueError(f"cast_amax: spec={spec!r}; expected a CastSpec with TensorWise() (delayed scaling keeps one "
+                         "scale per tensor). Use fp8func.kernels.cast and fp8func.kernels.amax for the others.")
+    _check_scale(scale, (1, 1), x, "scale")
+    return _backend(impl, x).cast_amax(x, scale, spec, transpose)
 
 
 def quantize(

@@ -11,9 +11,9 @@ import torch
 
 from fp8func._ops import quantize as _quantize
 from fp8func._ops import quantize_with_scale as _quantize_with_scale
-from fp8func._scaling import CastSpec, Granularity, compute_amax
+from fp8func._scaling import CastSpec, Granularity, TensorWise, compute_amax
 
-__all__ = ["amax", "cast", "quantize"]
+__all__ = ["amax", "cast", "cast_amax", "quantize"]
 
 
 def amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
@@ -34,6 +34,14 @@ def cast(
     if scale_t is None:
         return data, None
     return data, _quantize_with_scale(x.t().contiguous(), scale_t, spec).data
+
+
+def cast_amax(
+    x: torch.Tensor, scale: torch.Tensor, spec: CastSpec, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Tensorwise ``cast(x, scale, spec, scale if transpose else None)`` and ``amax(x)`` ``(1, 1)``."""
+    data, data_t = cast(x, scale, spec, scale if transpose else None)
+    return data, data_t, amax(x, TensorWise())
 
 
 def quantize(

@@ -36,6 +36,9 @@ CANDIDATES: dict[str, list[Config]] = {
                 for mc in (64, 128, 256, 1024) for st in (1, 3)],
     "cast": [C(bm, bk, w) for bm, bk, w in TILES],
     "cast_t": [C(bm, bk, w) for bm, bk, w in TILES_T],
+    "cast_amax": [C(bm, bk, w, amax_out=a) for bm, bk, w in TILES for a in (1, 2, 3)],
+    "cast_amax_t": [C(bm, bk, w, amax_out=a) for bm, bk, w in TILES_T + [(32, 128, 4), (64, 128, 8), (128, 256, 8)]
+                    for a in (1, 2, 3)],
     "cast_block": [C(bm, 128, w) for bm in (16, 32, 64) for w in (4, 8)],
     "cast_block_t": [C(bm, bk, w) for bm, bk, w in [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 128, 8),
                                                     (128, 64, 4), (64, 64, 4)]],
@@ -48,7 +51,8 @@ CANDIDATES: dict[str, list[Config]] = {
 # route: (spec, op, transpose); "amax_2d" is timed inside rowwise+T (its only fused user).
 ROUTES = {
     "amax_flat": (TW, "amax", False), "amax_2d": (ROW, "quantize", True), "cast": (TW, "cast", False),
-    "cast_t": (TW, "cast", True), "cast_block": (B1, "cast", False), "cast_block_t": (B1, "cast", True),
+    "cast_t": (TW, "cast", True), "cast_amax": (TW, "cast_amax", False), "cast_amax_t": (TW, "cast_amax", True),
+    "cast_block": (B1, "cast", False), "cast_block_t": (B1, "cast", True),
     "rowwise": (ROW, "quantize", False), "block_1x128": (B1, "quantize", False),
     "block_1x128_t": (B1, "quantize", True), "block_128": (B128, "quantize", False),
     "block_128_t": (B128, "quantize", True),
@@ -63,6 +67,8 @@ def _call(spec, op, transpose, impl):
             return _dispatch.amax(x, spec.granularity, impl=impl)
         if op == "cast":
             return _dispatch.cast(x, s, spec, transpose=transpose, scale_t=s_t, impl=impl)
+        if op == "cast_amax":
+            return _dispatch.cast_amax(x, s, spec, transpose=transpose, impl=impl)
         return _dispatch.quantize(x, spec, transpose=transpose, impl=impl)
     return fn
 
@@ -78,7 +84,7 @@ def _same(a, b) -> bool:
 def _row(r: dict) -> str:
     c = r["config"]
     return (f"| {r['route']} | {r['shape'][0]}x{r['shape'][1]} | bm={c['bm']} bk={c['bk']} w={c['warps']} "
-            f"st={c['stages']} p={c['programs']} mc={c['m_chunk']} | {r['bitwise']} | {r['ms']:.4f} | "
+            f"st={c['stages']} p={c['programs']} mc={c['m_chunk']} a={c['amax_out']} | {r['bitwise']} | {r['ms']:.4f} | "
             f"{r['gbps']:.0f} |")
 
 

@@ -5,7 +5,8 @@ Imported lazily by the dispatcher, only where Triton is installed. Four kernels:
 - ``_amax_flat_kernel``: tensorwise amax, a grid-stride loop and one atomic max per program.
 - ``_amax_2d_kernel``: row and/or column amax of ``[M, K]`` (atomic max per row / column).
 - ``_cast_kernel``: cast with given scales (or scales made from amax in the same program),
-  optionally also writing the transposed copy from the same tile.
+  optionally also writing the transposed copy from the same tile, and optionally each tile's
+  amax (delayed scaling: the cast and the next step's amax from one read of ``x``).
 - ``_quant_kernel``: one pass where a scale group fits in one program: whole rows
   (AxisWise(-1)), 1x128 blocks (and their 128x1 transposed blocks), 128x128 blocks.
 
@@ -30,7 +31,7 @@ from torch.library import triton_op, wrap_triton
 from fp8func._formats import fp8_max
 from fp8func._scaling import EPS, AxisWise, CastSpec, Granularity, TensorWise, compute_scale
 
-__all__ = ["Config", "CONFIGS", "amax", "cast", "quantize"]
+__all__ = ["Config", "CONFIGS", "amax", "cast", "cast_amax", "quantize"]
 
 MAX_ROW_K = 16384  # widest row the one-pass row-wise kernel keeps in registers
 EPS_F32 = tl.constexpr(EPS)  # rounded to fp32 where used, as torch's clamp(min=EPS) does
@@ -42,7 +43,9 @@ class Config:
 
     ``bm, bk``: tile rows and columns (row-wise one pass: ``bm`` is the target elements per
     program and ``bk`` is the padded row). ``programs``: grid cap of the flat amax.
-    ``m_chunk``: rows per program of the 2-D amax.
+    ``m_chunk``: rows per program of the 2-D amax. ``amax_out``: how the cast with amax
+    (``cast_amax``) leaves its partial maxima: 1 one per tile, 2 one per tile row, 3 one per
+    tile column (the reductions a tile needs differ in cost beside the transposed store).
     """
 
     bm: int
@@ -51,6 +54,7 @@ class Config:
     stages: int = 1
     programs: int = 0
     m_chunk: int = 0
+    amax_out: int = 1
 
 
 CONFIGS: dict[str, Config] = {  # winners of the sweep on an H200 (docs/kernels.md)
@@ -58,6 +62,8 @@ CONFIGS: dict[str, Config] = {  # winners of the sweep on an H200 (docs/kernels.
     "amax_2d": Config(bm=8, bk=1024, warps=4, stages=1, m_chunk=128),
     "cast": Config(bm=8, bk=1024, warps=8),
     "cast_t": Config(bm=64, bk=256, warps=8),
+    "cast_amax": Config(bm=32, bk=256, warps=8, amax_out=1),
+    "cast_amax_t": Config(bm=32, bk=128, warps=4, amax_out=1),
     "cast_block": Config(bm=16, bk=128, warps=4),
     "cast_block_t": Config(bm=64, bk=128, warps=4),
     "rowwise": Config(bm=4096, bk=0, warps=4),
@@ -79,10 +85,15 @@ def _abs_bits(x):
 
 
 @triton.jit
-def _amax_bits(x):
-    """``_abs_bits`` with every NaN as the standard quiet NaN 0x7FC00000 (see ``_reference.amax``)."""
-    bits = _abs_bits(x)
+def _canonical_nan(bits):
+    """``|x|`` bits with every NaN as the standard quiet NaN 0x7FC00000 (see ``_reference.amax``)."""
     return tl.where(bits > 0x7F800000, 0x7FC00000, bits)
+
+
+@triton.jit
+def _amax_bits(x):
+    """``_abs_bits`` with every NaN canonical."""
+    return _canonical_nan(_abs_bits(x))
 
 
 @triton.jit
@@ -161,13 +172,17 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
                  A_M: tl.constexpr, A_K: tl.constexpr, B_K: tl.constexpr, B_M: tl.constexpr,
                  FROM_AMAX: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
                  POW2: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                 NPART: tl.constexpr = 0, NPART_P2: tl.constexpr = 1):
+                 NPART: tl.constexpr = 0, NPART_P2: tl.constexpr = 1, amax_ptr=0,
+                 AMAX_OUT: tl.constexpr = 0):
     # data[m, k] uses sa[(m // A_M) * sa0 + (k // A_K) * sa1], one value per tile row (the
     # launcher keeps a tile inside one K group); data_t[k, m] uses sb[(k // B_K) * sb0 +
     # (m // B_M) * sb1], one value per tile column. Whole-dimension groups have stride 0.
     # FROM_AMAX: sa / sb hold amax; the first program along the other axis writes the scales.
     # NPART (tensorwise, FROM_AMAX): sa holds the NPART per-program partial maxima (int32 bits)
     # of _amax_flat_kernel(PARTIAL); every program reduces them (a few KB, from L2).
+    # AMAX_OUT: each program also stores max |x| of its tile (int32 bits, NaN canonical) for the
+    # caller to reduce: 1 one value at amax_ptr[p], 2 one per tile row at amax_ptr[p * BM + r],
+    # 3 one per tile column at amax_ptr[p * BK + c], with p = pid_m * num_programs(1) + pid_k.
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -177,6 +192,18 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
     mask = rmask[:, None] & cmask[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
+    if AMAX_OUT > 0:
+        out = amax_ptr.to(tl.pointer_type(tl.int32))
+        p = (pid_m * tl.num_programs(1) + pid_k).to(tl.int64)
+        # max over |x|'s bits, then NaN made canonical: the same as canonical bits' max (any NaN's
+        # bits exceed inf's), one select per stored value instead of per element
+        bits = _abs_bits(x)
+        if AMAX_OUT == 1:
+            tl.store(out + p, _canonical_nan(tl.max(tl.max(bits, 1), 0)))
+        elif AMAX_OUT == 2:
+            tl.store(out + p * BM + tl.arange(0, BM), _canonical_nan(tl.max(bits, 1)))
+        else:
+            tl.store(out + p * BK + tl.arange(0, BK), _canonical_nan(tl.max(bits, 0)))
     a_idx = (rows // A_M) * sa0 + (pid_k * BK // A_K) * sa1
     if NPART > 0:
         # The scalar maximum raised into a loaded vector (every partial is <= it), not broadcast
@@ -297,11 +324,13 @@ def _group_strides(scale: torch.Tensor, g0: int, g1: int) -> tuple[int, int, int
 
 def launch_cast(x: torch.Tensor, data: torch.Tensor, sa: torch.Tensor, data_t: torch.Tensor | None,
                 sb: torch.Tensor | None, groups: tuple[int, int], pow2: bool, cfg: Config,
-                sa_out: torch.Tensor | None = None, sb_out: torch.Tensor | None = None, partials: int = 0) -> None:
+                sa_out: torch.Tensor | None = None, sb_out: torch.Tensor | None = None, partials: int = 0,
+                amax_out: torch.Tensor | None = None) -> None:
     """Cast ``x`` with scales ``sa`` (and ``x.T`` with ``sb``); from amax if ``sa_out`` is given.
 
     ``groups``: the spec's group lengths along (M, K), 0 for a whole dimension. ``partials``
     (tensorwise, from amax): ``sa`` holds that many partial maxima of ``launch_amax_flat(partial=True)``.
+    ``amax_out`` (``cast_programs`` int32 slots): each program's max ``|x|`` as int32 bits.
     """
     m, k = x.shape
     if not x.numel():
@@ -321,7 +350,15 @@ def launch_cast(x: torch.Tensor, data: torch.Tensor, sa: torch.Tensor, data_t: t
         m, k, sa0, sa1, sb0, sb1, A_M=a_m, A_K=a_k, B_K=b_k, B_M=b_m, FROM_AMAX=from_amax,
         **_consts(data.dtype, pow2), TRANSPOSE=transpose, BM=cfg.bm, BK=cfg.bk,
         NPART=partials, NPART_P2=triton.next_power_of_2(max(partials, 1)),
+        amax_ptr=sa if amax_out is None else amax_out, AMAX_OUT=0 if amax_out is None else cfg.amax_out,
         num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def cast_partials(x: torch.Tensor, cfg: Config) -> int:
+    """The length of ``launch_cast``'s ``amax_out`` on ``x`` with ``cfg`` (see ``Config.amax_out``)."""
+    m, k = x.shape
+    per_program = {1: 1, 2: cfg.bm, 3: cfg.bk}[cfg.amax_out]
+    return triton.cdiv(m, cfg.bm) * triton.cdiv(k, cfg.bk) * per_program
 
 
 def launch_quant(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor | None,
@@ -383,6 +420,24 @@ def _cast_op(x: torch.Tensor, scale: torch.Tensor, scale_t: torch.Tensor | None,
     return data, data_t
 
 
+@triton_op("fp8func::kernels_cast_amax", mutates_args=())
+def _cast_amax_op(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                  transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Tensorwise: one pass writes the cast (and its transpose) and one max |x| per program; the
+    # maximum of those int32 bit patterns is the amax (exact, NaN canonical, as _reference.amax).
+    m, k = x.shape
+    data = torch.empty((m, k), device=x.device, dtype=dtype)
+    data_t = torch.empty((k, m) if transpose else (0, 0), device=x.device, dtype=dtype)
+    cfg = CONFIGS["cast_amax_t" if transpose else "cast_amax"]
+    if not x.numel():
+        return data, data_t, torch.zeros((1, 1), device=x.device, dtype=torch.float32)
+    # Masked-off rows / columns of edge tiles store 0 (their loads' other=0.0): no effect on the max.
+    parts = torch.empty((cast_partials(x, cfg),), device=x.device, dtype=torch.int32)
+    launch_cast(x, data, scale, data_t if transpose else None, scale if transpose else None, (0, 0), False, cfg,
+                amax_out=parts)
+    return data, data_t, parts.max().view(torch.float32).reshape(1, 1)
+
+
 @triton_op("fp8func::kernels_quantize", mutates_args=())
 def _quantize_op(x: torch.Tensor, dtype: torch.dtype, pow2: bool, gm: int, gk: int,
                  transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -434,6 +489,14 @@ def cast(
     """``x`` cast with ``scale``; with ``scale_t`` also ``x.T`` (contiguous ``[K, M]``) cast with it."""
     data, data_t = _cast_op(x, scale, scale_t, spec.dtype, *_groups(spec.granularity))
     return data, (data_t if scale_t is not None else None)
+
+
+def cast_amax(
+    x: torch.Tensor, scale: torch.Tensor, spec: CastSpec, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Tensorwise ``cast(x, scale, spec, scale if transpose else None)`` and ``amax(x)`` ``(1, 1)``, one read."""
+    data, data_t, amax = _cast_amax_op(x, scale, spec.dtype, transpose)
+    return data, (data_t if transpose else None), amax
 
 
 def quantize(

@@ -101,7 +101,36 @@ def test_linear_state_through_torch_func_grad_equals_eager_autograd():
     assert torch.equal(merged.grad_output.scale, state.grad_output.scale)
 
 
-def test_linear_delayed_compiles_fullgraph_and_matches_eager():
+def test_linear_delayed_through_the_kernel_twin_is_bitwise_the_plain_casts(monkeypatch):
+    """KERNELS="reference" routes the three delayed casts through ``kernels.cast_amax`` (its PyTorch
+    twin here; the Triton kernel on a GPU, tests/test_gpu.py), each writing its transposed copy
+    for the backward in the same call: same output, gradients and states as the plain casts."""
+    import fp8func._autograd as autograd_mod
+    import fp8func.kernels as kernels
+
+    x, w, dy = _data(2)
+    state = _warm_state(x, w, dy * 2)
+    calls = []
+    orig = kernels.cast_amax
+    monkeypatch.setattr(kernels, "cast_amax", lambda *a, **k: calls.append(k.get("transpose")) or orig(*a, **k))
+    runs = {}
+    for mode in ("off", "reference"):
+        monkeypatch.setattr(autograd_mod, "KERNELS", mode)
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        hist, scale = (t.clone().requires_grad_() for t in state.grad_output)
+        y, new = f8.linear(xx, ww, recipe="delayed", state=state._replace(grad_output=ScalingState(hist, scale)))
+        y.backward(dy)
+        runs[mode] = (y, xx.grad, ww.grad, *new.input, *new.weight, hist.grad, scale.grad)
+    assert calls == [True, True, True]  # x and w in the forward, dy in the backward
+    for a, b in zip(runs["off"], runs["reference"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kernels", ["off", "reference"])
+def test_linear_delayed_compiles_fullgraph_and_matches_eager(kernels, monkeypatch):
+    import fp8func._autograd as autograd_mod
+
+    monkeypatch.setattr(autograd_mod, "KERNELS", kernels)
     x, w, dy = _data(1)
     state = _warm_state(x, w, dy)
 

@@ -135,6 +135,39 @@ def test_linear_with_triton_kernels_is_bitwise_the_plain_casts(recipe, compiled,
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_delayed_linear_with_triton_kernels_is_bitwise_the_plain_casts(compiled, monkeypatch):
+    """Delayed scaling through ``kernels.cast_amax`` (cast, transposed copy and amax in one pass)
+    against the plain ``quantize(state=...)`` casts: output, gradients and all three new states."""
+    import fp8func._autograd as autograd_mod
+    from fp8func._delayed import LinearScalingState, ScalingState
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(4, 256, 512, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(1024, 512, device="cuda", generator=g) / 512**0.5).bfloat16()
+    dy = torch.randn(4, 256, 1024, device="cuda", generator=g).bfloat16()
+    spec = f8.Recipe.from_name("delayed")
+    state = LinearScalingState(ScalingState.from_tensor(x, spec.input, 4), ScalingState.from_tensor(w / 4, spec.weight, 4),
+                               ScalingState.from_tensor(dy * 8, spec.grad_output, 4))  # w's scale saturates
+
+    def step(x, w, hist, scale):
+        y, new = f8.linear(x, w, recipe="delayed", state=state._replace(grad_output=ScalingState(hist, scale)))
+        return (y, *new.input, *new.weight)
+
+    runs = {}
+    for mode in ("off", "auto"):
+        monkeypatch.setattr(autograd_mod, "KERNELS", mode)
+        torch._dynamo.reset()
+        fn = torch.compile(step, fullgraph=True) if compiled else step
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        hist, scale = (t.clone().requires_grad_() for t in state.grad_output)
+        y, *states = fn(xx, ww, hist, scale)
+        y.backward(dy)
+        runs[mode] = (y, *states, xx.grad, ww.grad, hist.grad, scale.grad)
+    for a, b in zip(runs["off"], runs["auto"], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("fast_accum", [(), ("output", "grad_input", "grad_weight")], ids=["promoted", "fast_accum"])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_grouped_linear_on_gpu_hardware_vs_emulated(compiled, fast_accum):

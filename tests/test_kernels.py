@@ -115,6 +115,24 @@ def test_cast_twin_matches_oracle(case, shift):
         assert_bitwise(data_t, oracle(x.t().contiguous(), spec, scale_t)[0], "data_t")
 
 
+@given(x=tensors(st.tuples(st.integers(1, 70), st.integers(1, 70)), specials=True), dtype=st.sampled_from(FP8),
+       shift=st.integers(-3, 8), transpose=st.booleans())
+def test_cast_amax_twin_matches_oracle(x, dtype, shift, transpose):
+    """Delayed scaling's cast: the data of a cast with a given scale (one that saturates with
+    shift > 0) and the amax the oracle computes, NaN as the standard quiet NaN."""
+    spec = f8.CastSpec(dtype)
+    scale = oracle(x, spec)[1] * 2.0**-shift
+    data, data_t, amax = fk.cast_amax(x, scale, spec, transpose=transpose)
+    assert_bitwise(data, oracle(x, spec, scale)[0], "data")
+    if transpose:
+        assert_bitwise(data_t, oracle(x.t().contiguous(), spec, scale)[0], "data_t")
+    else:
+        assert data_t is None
+    want = x.float().abs().amax().reshape(1, 1)
+    want = torch.where(want.isnan(), torch.tensor(0x7FC00000, dtype=torch.int32).view(torch.float32), want)
+    assert_bitwise(amax, want, "amax")
+
+
 @pytest.mark.parametrize("g", [f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(0), f8.AxisWise(1)], ids=repr)
 def test_amax_twin(g):
     x = torch.randn(33, 65)
@@ -193,6 +211,10 @@ def test_errors_name_the_value_and_the_fix():
         fk.cast(x, torch.ones(64, 1), spec)
     with pytest.raises(ValueError, match=r"pass scale_t of shape \(256, 1\)"):
         fk.cast(x, torch.ones(64, 1), f8.CastSpec(granularity=ROW), transpose=True)
+    with pytest.raises(ValueError, match=r"cast_amax: spec=.*AxisWise.*expected a CastSpec with TensorWise"):
+        fk.cast_amax(x, torch.ones(64, 1), f8.CastSpec(granularity=ROW))
+    with pytest.raises(ValueError, match=r"cast: scale is \(\(64, 1\).*expected float32 of shape \(1, 1\)"):
+        fk.cast_amax(x, torch.ones(64, 1), spec)
     with pytest.raises(ValueError, match=r"impl='cuda': expected one of"):
         fk.amax(x, f8.TensorWise(), impl="cuda")
     with pytest.raises((RuntimeError, ValueError), match="impl='triton' needs"):
@@ -284,6 +306,54 @@ def test_triton_cast_bitwise_twin(g, combo, scales):
         assert_bitwise(got[0], want[0], f"{shape} data")
         if transpose:
             assert_bitwise(got[1], want[1], f"{shape} data_t")
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"{c[0]}-{c[1]}".replace("torch.", ""))
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_triton_cast_amax_bitwise_twin(combo, transpose, compiled):
+    dtype, fp8, _ = combo
+    spec = f8.CastSpec(fp8)
+    torch._dynamo.reset()
+    run = lambda t, s: fk.cast_amax(t, s, spec, transpose=transpose)  # noqa: E731
+    run = torch.compile(run, fullgraph=True) if compiled else run
+    for i, shape in enumerate(SHAPES["tw"] + [(16384, 4096)]):
+        for kind in ("randn", "specials", "zeros"):
+            x = _gpu_input(shape, dtype, kind, i)
+            scale = fk.amax(x, f8.TensorWise(), impl="reference").nan_to_num(1.0) / 64 + 1e-30  # saturates
+            got, want = run(x, scale), fk.cast_amax(x, scale, spec, transpose=transpose, impl="reference")
+            for name, a, b in zip(("data", "data_t", "amax"), got, want):
+                if b is None:
+                    assert a is None
+                else:
+                    assert_bitwise(a, b, f"{shape} {kind} {name}")
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("amax_out", [1, 2, 3])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_triton_cast_amax_partials_every_way_bitwise_twin(amax_out, transpose, monkeypatch):
+    """Each way the cast leaves its partial maxima (per tile, tile row, tile column: the sweep
+    picks one) reduces to the twin's amax, edge tiles included."""
+    import dataclasses
+
+    from fp8func.kernels import _triton_quant
+
+    route = "cast_amax_t" if transpose else "cast_amax"
+    monkeypatch.setitem(_triton_quant.CONFIGS, route,
+                        dataclasses.replace(_triton_quant.CONFIGS[route], amax_out=amax_out))
+    spec = f8.CastSpec(f8.E4M3)
+    for i, shape in enumerate(SHAPES["tw"]):
+        for kind in ("randn", "specials"):
+            x = _gpu_input(shape, torch.bfloat16, kind, i)
+            s = torch.full((1, 1), 0.01, device="cuda")
+            got = fk.cast_amax(x, s, spec, transpose=transpose, impl="triton")
+            want = fk.cast_amax(x, s, spec, transpose=transpose, impl="reference")
+            assert_bitwise(got[2], want[2], f"{shape} {kind} amax")
+            assert_bitwise(got[0], want[0], f"{shape} {kind} data")
 
 
 @pytest.mark.gpu

@@ -29,6 +29,8 @@ CASES = [  # (name, spec, op, transpose)
     ("tensorwise cast", _TW, "cast", False),
     ("tensorwise cast+T", _TW, "cast", True),
     ("tensorwise quantize+T (2 passes)", _TW, "quantize", True),
+    ("delayed cast+amax", _TW, "cast_amax", False),
+    ("delayed cast+T+amax", _TW, "cast_amax", True),
     ("rowwise", _ROW, "quantize", False),
     ("rowwise+T (2 passes)", _ROW, "quantize", True),
     ("1x128", _B1, "quantize", False),
@@ -44,6 +46,8 @@ def _call(spec: f8.CastSpec, op: str, transpose: bool, impl: str, x, s, s_t):
         return fk.amax(x, spec.granularity, impl=impl)
     if op == "cast":
         return fk.cast(x, s, spec, transpose=transpose, scale_t=s_t, impl=impl)
+    if op == "cast_amax":  # delayed scaling: a given scale, the amax recorded in the same pass
+        return fk.cast_amax(x, s, spec, transpose=transpose, impl=impl)
     return fk.quantize(x, spec, transpose=transpose, impl=impl)
 
 
@@ -54,6 +58,8 @@ def min_bytes(spec: f8.CastSpec, op: str, transpose: bool, shape: tuple[int, int
     if op == "amax":
         return m * k * x_bytes + 4 * math.prod(f8.scale_shape(spec.granularity, shape))
     scales = 4 * math.prod(f8.scale_shape(spec.granularity, shape))
+    if op == "cast_amax":
+        return m * k * x_bytes + copies * m * k + 2 * scales  # the scale read, the amax written
     if transpose:
         scales += 4 * math.prod(f8.scale_shape(spec.granularity, (k, m)))
     return m * k * x_bytes + copies * m * k + scales
@@ -86,7 +92,7 @@ def run(shapes=SHAPES, iters: int = 50) -> list[dict]:
         n = max(1, math.ceil(_L2_FLUSH_BYTES / (m * k * 2)))
         xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
         for name, spec, op, transpose in CASES:
-            if op == "cast":
+            if op in ("cast", "cast_amax"):
                 s = [fk.quantize(x, spec, transpose=transpose, impl="reference") for x in xs]
                 args = [(x, q.scale, None if q_t is None else q_t.scale) for x, (q, q_t) in zip(xs, s)]
             else:

@@ -7,7 +7,8 @@ at ``tokens`` rows, calibrated on the GPU (``python -m fp8func.bench calibrate``
 * FP8: the same three GEMMs at the FP8 rate of the recipe's kernel, plus the casts: every
   operand (input, weight, grad_output) read in high precision and written in fp8 once per copy
   (two copies when the backward needs the operand cast along the other axis), with the extra
-  amax pass a tensor-wise or column-wise scale needs; plus a fixed cost per extra kernel;
+  amax pass a tensor-wise or column-wise scale needs (none with delayed scaling, whose one pass
+  also records the amax); plus a fixed cost per extra kernel;
 * a floor per step: the host time to launch the step (autograd, the compiled graphs' launch),
   measured on an isolated compiled layer. Small layers are host-bound, and the FP8 step, with
   more kernels and an autograd.Function, has the higher floor.
@@ -70,9 +71,12 @@ def _gemm_kind(recipe: Recipe) -> str:
     return "blockwise"
 
 
-def _cast_bytes_and_kernels(spec, numel: int, hp_bytes: int, two_copies: bool) -> tuple[float, int]:
+def _cast_bytes_and_kernels(spec, numel: int, hp_bytes: int, two_copies: bool,
+                            delayed: bool = False) -> tuple[float, int]:
     """Bytes moved (and kernels launched) to cast one operand of ``numel`` elements."""
     g = spec.granularity
+    if delayed:  # the scale is known: one pass writes every copy and the amax; a state update after
+        return numel * (hp_bytes + (2 if two_copies else 1)), 2
     if isinstance(g, TensorWise):  # an amax pass, then one cast pass writing every copy
         return numel * (2 * hp_bytes + (2 if two_copies else 1)), 2
     if isinstance(g, (AxisWise, BlockWise)):  # one fused pass per copy; a column amax for the other axis
@@ -96,7 +100,8 @@ def estimate_ms(m: int, k: int, n: int, recipe: Recipe | None, profile: DevicePr
     casts, kernels = 0.0, 0
     for spec, numel, hp_only in ((recipe.input, m * k, recipe.grad_weight_hp), (recipe.weight, n * k, False),
                                  (recipe.grad_output, m * n, recipe.grad_weight_hp)):
-        b, kk = _cast_bytes_and_kernels(spec, numel, hp_bytes, two_copies=not hp_only)
+        b, kk = _cast_bytes_and_kernels(spec, numel, hp_bytes, two_copies=not hp_only,
+                                        delayed=recipe.delayed is not None)
         casts, kernels = casts + b, kernels + kk
     if recipe.grad_weight_hp:  # a bf16 grad_weight GEMM instead of an FP8 one
         gemms += flops / (profile.bf16_tflops * 1e12) - flops / rate
