@@ -75,7 +75,30 @@ def _two_d(rank, world_size):
         want = f8.quantize(x, spec)
         out[name] = torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
         out[name + "_kernels"] = _kernel_cast_is_quantize(shard.contiguous(), spec, sharding)
+    out["delayed_kernels"] = _kernel_delayed_cast_is_quantize_delayed(shard.contiguous(), x, f8.Sharding(
+        mesh, (Shard(0), Shard(1))))
     return out
+
+
+def _kernel_delayed_cast_is_quantize_delayed(shard, x, sharding) -> bool:
+    """The delayed cast of a shard through ``kernels.cast_amax`` (its twin here) records the
+    mesh-reduced amax: the same cast, new state and meta as ``quantize(state=..., sharding=...)``,
+    and the history's newest entry is the full tensor's amax on every rank."""
+    import fp8func._autograd as autograd_mod
+    from fp8func._delayed import ScalingState, quantize_delayed
+
+    spec = f8.CastSpec()
+    state = ScalingState.from_tensor(x * 0.25, spec, 4)  # saturates: x is 4x larger
+    before, autograd_mod.KERNELS = autograd_mod.KERNELS, "reference"
+    try:
+        q, q_t, new = autograd_mod._cast_delayed(shard, spec, state, "max", sharding, transpose=True)
+    finally:
+        autograd_mod.KERNELS = before
+    want, want_new = quantize_delayed(shard, spec, state, sharding=sharding)
+    return (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
+            and q.meta == want.meta and torch.equal(q_t.data.view(torch.uint8), want.data.t().contiguous().view(torch.uint8))
+            and all(torch.equal(a, b) for a, b in zip(new, want_new))
+            and new.amax_history[0] == x.abs().max() and new.amax_history[1] == (x * 0.25).abs().max())
 
 
 def _kernel_cast_is_quantize(shard, spec, sharding) -> bool:
@@ -104,6 +127,7 @@ def test_two_d_mesh_reduces_over_exactly_the_right_dims():
     for r in res:
         assert r["tensorwise"] and r["rowwise"] and r["colwise"], r
         assert r["tensorwise_kernels"] and r["rowwise_kernels"] and r["colwise_kernels"], r
+        assert r["delayed_kernels"], r
         assert r["tensorwise_dims"] == (0, 1)  # split along both dims
         assert r["rowwise_dims"] == (1,)  # a row scale spans dim 1 only
         assert r["colwise_dims"] == (0,)

@@ -18,8 +18,10 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=50, help="timed runs per case (median reported)")
     parser.add_argument("--json", help="also write rows and environment to this JSON file")
     parser.add_argument("--shapes", help="quantize: MxK[,...]; linear: MxKxN[,...] instead of the default shapes")
-    parser.add_argument("--recipes", help="linear / block / memory: comma list of recipes (default tensorwise,rowwise,"
-                        "blockwise; memory: tensorwise,rowwise)")
+    parser.add_argument("--recipes", help="linear / block / memory / profile: comma list of recipes (default "
+                        "tensorwise,rowwise,blockwise,delayed; memory: tensorwise,rowwise; profile: tensorwise). "
+                        "'delayed' is compared with torchao's dynamic tensorwise; '<recipe>+fastfwd' runs the "
+                        "output GEMM with fast accumulation as torchao does")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fp8func.bench needs a CUDA GPU: these are throughput figures, not tests.")

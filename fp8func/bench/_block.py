@@ -14,7 +14,7 @@ import fp8func as f8
 from ._linear import parse_recipe, torchao_linear
 from ._timing import back_to_back_ms, median_ms
 
-RECIPES = ("tensorwise", "rowwise", "blockwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 
 
 def _layer(hidden, mlp, heads, kv_heads):

@@ -18,7 +18,7 @@ from ._timing import back_to_back_ms, median_ms
 
 SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096), (8192, 8192, 8192),
           (4096, 2048, 2048), (4096, 4096, 1024)]
-RECIPES = ("tensorwise", "rowwise", "blockwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 # "<recipe>+fastfwd": fp8func's recipe with the output GEMM in fast accumulation, torchao's GEMM
 # configuration (``Float8LinearConfig.gemm_config_output = Float8GemmConfig(use_fast_accum=True)``,
 # grad GEMMs precise); fp8func's named recipes keep every GEMM precise by default.
