@@ -429,18 +429,32 @@ class _DelayedLinearFn(torch.autograd.Function):
     ``transposes`` as ``_LinearFn``'s: the forward writes x's and w's transposed fp8 copies for
     the backward from the same pass as their casts (tensorwise: the same scale)."""
 
+    # ``w_data, w_scale``: the weight's dynamic cast made elsewhere (FSDP2's fp8 all-gather), for
+    # ``DelayedScaling(weight=False)``; ``weight`` then only routes the gradient. That recipe casts
+    # the weight dynamically here too, and returns no weight state (two outputs fewer: the
+    # caller keeps its own).
+
     @staticmethod
     def forward(x, weight, bias, recipe: Recipe, sharding, x_hist, x_scale, w_hist, w_scale, dy_hist, dy_scale,
-                transposes=(False, False)):
+                transposes=(False, False), w_data=None, w_cast_scale=None):
         algo = recipe.delayed.algo
         qx, qx_t, sx = _cast_delayed(x.reshape(-1, x.shape[-1]), recipe.input, ScalingState(x_hist, x_scale), algo,
                                      sharding, transposes[0])
-        qw, qw_t, sw = _cast_delayed(weight, recipe.weight, ScalingState(w_hist, w_scale), algo, None, transposes[1])
+        if recipe.delayed.weight:
+            qw, qw_t, sw = _cast_delayed(weight, recipe.weight, ScalingState(w_hist, w_scale), algo, None, transposes[1])
+            w_state = (sw.amax_history, sw.scale)
+        elif w_data is None:
+            qw, qw_t = _cast(weight, recipe.weight, transpose=transposes[1])
+            w_state = ()
+        else:  # views: a saved output must not be an input returned as it is
+            qw = Fp8Tensor(w_data.view_as(w_data), w_cast_scale.view_as(w_cast_scale),
+                           Fp8Meta(recipe.weight, weight.dtype, None))
+            qw_t, w_state = None, ()
         y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path, fast_accum="output" in recipe.fast_accum)
         qx = qx if qx_t is None else qx_t  # what the backward reads
         qw = qw if qw_t is None else qw_t
         return (y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale,
-                sx.amax_history, sx.scale, sw.amax_history, sw.scale)
+                sx.amax_history, sx.scale, *w_state)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -474,27 +488,45 @@ class _DelayedLinearFn(torch.autograd.Function):
                       fast_accum="grad_weight" in recipe.fast_accum).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, sdy.amax_history, sdy.scale, None
+        return dx, dw, db, None, None, None, None, None, None, sdy.amax_history, sdy.scale, None, None, None
 
 
 def linear_delayed(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe, state: LinearScalingState,
-    amax_sharding=None,
+    amax_sharding=None, casts: dict[str, Fp8Tensor] | None = None,
 ) -> tuple[torch.Tensor, LinearScalingState]:
     """``linear`` with delayed scaling: ``(y, new_state)``; see ``linear``.
 
     ``amax_sharding``: how ``x``'s (and ``dy``'s) rows are split across ranks, e.g. the
     data-parallel ranks ``Sharding(dp_mesh, (Shard(0),))``: the recorded amaxes are then reduced
     over them, so every rank keeps the same state.
+
+    ``casts``: with ``DelayedScaling(weight=False)``, the weight's dynamic cast made elsewhere
+    (``{"w": Fp8Tensor}``, e.g. gathered in FP8 by FSDP2), as ``linear_with_casts`` takes it;
+    ``new_state.weight`` is then ``state.weight``, unchanged, as for every call of that recipe.
     """
     if not isinstance(state, LinearScalingState):
         raise TypeError(f"linear(recipe={recipe.name!r}) needs state=LinearScalingState (delayed scaling), got "
                         f"{type(state).__name__}; make one with fp8func.LinearScalingState.init(history_len).")
-    transposes = _forward_transposes(x, weight, recipe, False, False)
+    given = ()
+    if casts is not None:
+        if recipe.delayed.weight:
+            raise ValueError(f"linear: recipe {recipe.name!r} delays the weight's scale too, so it casts the weight "
+                             "itself; given weight casts need DelayedScaling(weight=False) (a dynamic weight cast).")
+        names = [name for name, _ in weight_casts(recipe)]
+        if sorted(casts) != names:
+            raise ValueError(f"linear: recipe {recipe.name!r} needs weight casts {names}, got {sorted(casts)}.")
+        given = (casts["w"].data, casts["w"].scale)
+    transposes = _forward_transposes(x, weight, recipe, False, casts is not None)
     out = _DelayedLinearFn.apply(x, weight, bias, recipe, amax_sharding, *state.input, *state.weight,
-                                 *state.grad_output, transposes)
-    y, *_, xh, xs, wh, ws = out
-    return y, LinearScalingState(ScalingState(xh, xs), ScalingState(wh, ws), state.grad_output)
+                                 *state.grad_output, transposes, *given)
+    if recipe.delayed.weight:
+        y, *_, xh, xs, wh, ws = out
+        w_state = ScalingState(wh, ws)
+    else:
+        y, *_, xh, xs = out
+        w_state = state.weight
+    return y, LinearScalingState(ScalingState(xh, xs), w_state, state.grad_output)
 
 
 def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, x_given: bool, w_given: bool):

@@ -283,16 +283,25 @@ class DelayedScaling:
     Attributes:
         history_len: amaxes kept per tensor (newest first).
         algo: "max" (scale from the largest amax in the history) or "most_recent".
+        weight: whether the weight's cast is delayed too (True, as TransformerEngine's). False:
+            the weight is cast with its own amax (dynamic tensorwise) and only the input and
+            grad_output keep a history; FSDP2 can then all-gather the weight in FP8
+            (``fsdp_fp8_all_gather``; its scales batched by ``precompute_scales``), which a delayed
+            weight cannot (its cast needs the layer's state).
     """
 
     history_len: int = 16
     algo: str = "max"
+    weight: bool = True
 
     def __post_init__(self):
         if not isinstance(self.history_len, int) or self.history_len < 1:
             raise ValueError(f"DelayedScaling(history_len={self.history_len!r}): expected an int >= 1.")
         if self.algo not in AMAX_ALGOS:
             raise ValueError(f"DelayedScaling(algo={self.algo!r}): expected one of {AMAX_ALGOS}.")
+        if not isinstance(self.weight, bool):
+            raise ValueError(f"DelayedScaling(weight={self.weight!r}): expected True (the weight's cast is delayed "
+                             "too) or False (the weight is cast dynamically).")
 
 
 GEMMS = ("output", "grad_input", "grad_weight")  # the three GEMMs of a linear layer, in torchao's words

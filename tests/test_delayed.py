@@ -233,3 +233,62 @@ def test_functional_train_step_example_is_bitwise_the_stateful_module():
         opt.zero_grad()
         stateful.append(loss.item())
     assert functional == stateful, (functional, stateful)
+
+
+@pytest.mark.parametrize("kernels", ["off", "reference"])
+def test_delayed_scaling_with_a_dynamic_weight(kernels, monkeypatch):
+    """``DelayedScaling(weight=False)`` casts the weight with its own amax: the same bits as the
+    delayed weight cast whose state holds exactly that amax; its weight state is returned as given;
+    weight casts made elsewhere (FSDP2's fp8 gather) give the same bits; compiled equals eager."""
+    import fp8func._autograd as autograd_mod
+    from fp8func._autograd import linear_delayed
+
+    monkeypatch.setattr(autograd_mod, "KERNELS", kernels)
+    x, w, dy = _data(3)
+    state = _warm_state(x, w * 3, dy)  # a weight state that is not w's own
+    dynamic = f8.Recipe.from_name("delayed", delayed=f8.DelayedScaling(history_len=4, weight=False))
+    delayed = f8.Recipe.from_name("delayed", delayed=f8.DelayedScaling(history_len=4))
+    own = state._replace(weight=ScalingState.from_tensor(w, delayed.weight, 4))
+
+    def run(fn, recipe, st, **kw):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        hist, scale = (t.clone().requires_grad_() for t in st.grad_output)
+        y, new = fn(xx, ww, recipe, st._replace(grad_output=ScalingState(hist, scale)), **kw)
+        y.backward(dy)
+        return (y, xx.grad, ww.grad, *new.input, hist.grad, scale.grad), new
+
+    def plain(x, w, recipe, st, casts=None):
+        return linear_delayed(x, w, None, recipe, st, None, casts)
+
+    want, _ = run(plain, delayed, own)
+    got, new = run(plain, dynamic, state)
+    assert new.weight is state.weight
+    given, _ = run(plain, dynamic, state, casts={"w": f8.quantize(w, dynamic.weight)})
+    torch._dynamo.reset()
+    compiled, _ = run(torch.compile(plain, fullgraph=True), dynamic, state)
+    for a, b, c, d in zip(want, got, given, compiled, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+    with pytest.raises(ValueError, match=r"given weight casts need DelayedScaling\(weight=False\)"):
+        plain(x, w, delayed, state, casts={"w": f8.quantize(w, delayed.weight)})
+
+
+def test_convert_with_a_dynamic_weight_gathers_it_in_fp8_and_keeps_its_state_idle():
+    from fp8func.distributed import Fp8AllGatherWeight
+
+    recipe = f8.Recipe.from_name("delayed", delayed=f8.DelayedScaling(weight=False))
+    torch.manual_seed(0)
+    model = f8.convert(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)), recipe)
+    layer = model[2]
+    assert layer.fsdp_fp8_all_gather and isinstance(layer.weight, Fp8AllGatherWeight)
+    assert "bf16" not in f8.report(model, print_table=False)[0].reason
+    w_state = (layer.fp8_w_history.clone(), layer.fp8_w_scale.clone())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        model(torch.randn(8, 64) * (step + 1)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(layer.fp8_w_history, w_state[0]) and torch.equal(layer.fp8_w_scale, w_state[1])
+    assert layer.fp8_x_history[1] > 0 and layer.fp8_dy_history[1] > 0  # two steps recorded
+    delayed = f8.convert(nn.Sequential(nn.Linear(64, 128)), "delayed")
+    assert not delayed[0].fsdp_fp8_all_gather
+    assert "DelayedScaling(weight=False)" in f8.report(delayed, print_table=False)[0].reason

@@ -47,6 +47,8 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if recipe is not None:
         f8.convert(model, recipe, fsdp_fp8_all_gather=fp8_gather)
+        if isinstance(recipe, f8.Recipe) and recipe.delayed is not None:
+            f8.distributed.share_scaling_state(model, mesh)  # one scaling state on every rank
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -138,6 +140,20 @@ def test_fsdp_fp8_all_gather_on_off_bitwise_and_bytes(recipe):
     fp8_numel = on[0]["fp8_numel_layers"] + on[0]["fp8_numel_root"]
     assert (on[0]["scale_bytes"] == 0) == (recipe == "tensorwise"), on[0]["scale_bytes"]
     assert saved == steps * 2 * (fp8_numel // world - on[0]["scale_bytes"]), (saved, on[0]["bytes"], off[0]["bytes"])
+
+
+def test_fsdp_delayed_scaling_with_a_dynamic_weight_gathers_fp8_bitwise():
+    """``DelayedScaling(weight=False)``: the input and grad_output keep their histories, the weight
+    is cast dynamically, so FSDP2 all-gathers it in FP8 (half the bytes), bitwise the bf16 gather."""
+    steps = 6
+    recipe = f8.Recipe.from_name("delayed", delayed=f8.DelayedScaling(weight=False))
+    on, off = zip(*run_workers(_train_on_off, 2, recipe, steps, True, "fp32-master"))
+    for r_on, r_off in zip(on, off):
+        assert r_on["losses"] == r_off["losses"], (r_on["losses"][:3], r_off["losses"][:3])
+        assert all(torch.isfinite(torch.tensor(r_on["losses"])))
+    fp8_numel = on[0]["fp8_numel_layers"] + on[0]["fp8_numel_root"]
+    assert fp8_numel > 0 and on[0]["fresh_scales"] == steps * on[0]["fp8_casts"]
+    assert off[0]["bytes"] - on[0]["bytes"] == steps * 2 * (fp8_numel // 2), (on[0]["bytes"], off[0]["bytes"])
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

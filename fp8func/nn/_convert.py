@@ -110,9 +110,11 @@ def convert(
         decisions[fqn] = reason or note
         if reason:
             continue
-        gather = fsdp_fp8_all_gather and uses[id(module.weight)] == 1 and recipe.delayed is None
-        if fsdp_fp8_all_gather and recipe.delayed is not None:
-            delayed = "delayed scaling casts the gathered weight itself, so FSDP2 all-gathers it in bf16"
+        delayed_weight = recipe.delayed is not None and recipe.delayed.weight
+        gather = fsdp_fp8_all_gather and uses[id(module.weight)] == 1 and not delayed_weight
+        if fsdp_fp8_all_gather and delayed_weight:
+            delayed = ("delayed scaling casts the gathered weight itself, so FSDP2 all-gathers it in bf16 "
+                       "(DelayedScaling(weight=False) casts the weight dynamically and gathers it in FP8)")
             decisions[fqn] = f"{note}; {delayed}" if note else delayed
         elif fsdp_fp8_all_gather and not gather:
             shared = ("weight is shared with another module, so it stays high precision"

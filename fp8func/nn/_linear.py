@@ -34,7 +34,8 @@ class Fp8Linear(nn.Linear):
     grad_output state arrives as the gradient of the ``fp8_dy_*`` buffers and is written into
     them as soon as it is accumulated (a post-accumulate-grad hook). Eval forwards use the
     state without changing it. The input and weight buffers are replaced by new tensors at each
-    training forward (never written in place).
+    training forward (never written in place). With ``DelayedScaling(weight=False)`` the weight is
+    cast dynamically (its buffers stay as initialized) and FSDP2 can all-gather it in FP8.
 
     Example:
         >>> layer = Fp8Linear(4096, 4096, recipe=fp8func.Recipe.from_name("rowwise"))
@@ -56,8 +57,9 @@ class Fp8Linear(nn.Linear):
             self.weight = nn.Parameter(Fp8WeightParam(self.weight.data, self.recipe))
             return
         if self.recipe.delayed is not None:
-            fsdp_fp8_all_gather = False  # the FSDP2 fp8 gather casts dynamically; see convert()
-            self.fsdp_fp8_all_gather = False
+            if self.recipe.delayed.weight:
+                fsdp_fp8_all_gather = False  # the FSDP2 fp8 gather casts dynamically; see convert()
+                self.fsdp_fp8_all_gather = False
             self._init_state(self.weight.device)
         if fsdp_fp8_all_gather:
             self.weight = nn.Parameter(Fp8AllGatherWeight(self.weight.data, self.recipe))
@@ -97,7 +99,7 @@ class Fp8Linear(nn.Linear):
         ``fp8_weights`` the weight's values are staged, quantized at the first use)."""
         if fp8_weights:
             _check_fp8_weights(recipe, fsdp_fp8_all_gather)
-        fsdp_fp8_all_gather = fsdp_fp8_all_gather and recipe.delayed is None
+        fsdp_fp8_all_gather = fsdp_fp8_all_gather and (recipe.delayed is None or not recipe.delayed.weight)
         with torch.device("meta"):
             new = cls(linear_.in_features, linear_.out_features, bias=False, recipe=recipe,
                       fsdp_fp8_all_gather=False)
@@ -142,16 +144,18 @@ class Fp8Linear(nn.Linear):
             )
         x_casts = gathered_casts(x)
         if self.recipe.delayed is not None:
-            if w_casts is not None or x_casts is not None:
-                raise ValueError("fp8func: delayed scaling casts the weight and input itself; use the "
-                                 "stock TP styles and fsdp_fp8_all_gather=False with recipe 'delayed'.")
+            if x_casts is not None or (w_casts is not None and self.recipe.delayed.weight):
+                raise ValueError("fp8func: delayed scaling casts the input (and, unless DelayedScaling(weight=False), "
+                                 "the weight) itself; use the stock TP styles, and fsdp_fp8_all_gather=False or "
+                                 "DelayedScaling(weight=False) with a delayed recipe.")
             if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
                 self._hook_grad_output_state()  # (under torch.func the caller threads the state)
-            y, new = linear_delayed(x, w, self.bias, self.recipe, self.scaling_state(), self.amax_sharding)
+            y, new = linear_delayed(x, w, self.bias, self.recipe, self.scaling_state(), self.amax_sharding, w_casts)
             if self.training:
                 # Rebind, not copy_: the backward may read the old tensors (a compiled backward
                 # recomputes cheap ops from the forward's inputs), so they must stay unchanged.
-                for name, st in zip(self._STATE[:2], new[:2]):
+                recorded = self._STATE[:2] if self.recipe.delayed.weight else self._STATE[:1]
+                for name, st in zip(recorded, new[:2]):
                     setattr(self, f"fp8_{name}_history", st.amax_history.detach())
                     setattr(self, f"fp8_{name}_scale", st.scale.detach())
             return y
