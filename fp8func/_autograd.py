@@ -375,7 +375,7 @@ class _LinearFn(torch.autograd.Function):
                     b = Fp8Tensor(x_a, x_b, Fp8Meta(activation_casts(recipe)[1][1], ctx.x_dtype, None))
                 else:
                     b = _cast_b(x_a.reshape(-1, x_a.shape[-1]), recipe.input)  # [M, K] along M
-                dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path, fast_accum="grad_weight" in recipe.fast_accum)
+                dw = gemm(qdy.t() if qdy_t is None else qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path, fast_accum="grad_weight" in recipe.fast_accum)
             dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
@@ -472,9 +472,11 @@ class _DelayedLinearFn(torch.autograd.Function):
         recipe: Recipe = ctx.recipe
         qx_data, qx_scale, qw_data, qw_scale, dy_hist, dy_scale = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        # [M, N] for grad_input and, for grad_weight, [N, M]: one pass over dy
+        # [M, N] for grad_input and, for grad_weight, [N, M] from the same pass over dy where the
+        # kernel runs (elsewhere the GEMM takes dy's cast transposed, as it always did)
+        transpose = ctx.needs_input_grad[1] and _use_kernels(dy2, recipe.grad_output)
         qdy, qdy_t, sdy = _cast_delayed(dy2, recipe.grad_output, ScalingState(dy_hist, dy_scale), recipe.delayed.algo,
-                                        ctx.sharding, transpose=ctx.needs_input_grad[1])
+                                        ctx.sharding, transpose=transpose)
         qx = Fp8Tensor(qx_data, qx_scale, Fp8Meta(recipe.input, ctx.x_dtype, None))
         qw = Fp8Tensor(qw_data, qw_scale, Fp8Meta(recipe.weight, ctx.w_dtype, None))
         dx = dw = db = None
@@ -484,7 +486,7 @@ class _DelayedLinearFn(torch.autograd.Function):
                       fast_accum="grad_input" in recipe.fast_accum).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             b = qx.t() if ctx.x_saved_t else qx  # [M, K]; column-major where the forward wrote x.T
-            dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path,
+            dw = gemm(qdy.t() if qdy_t is None else qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path,
                       fast_accum="grad_weight" in recipe.fast_accum).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)

@@ -111,7 +111,7 @@ def _qwen_losses(rank, world_size, recipe, steps, tp):
     return losses
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
 def test_stock_tp_styles_on_fp8_layers_match_one_process(recipe):
     steps = 20
     single = run_workers(_qwen_losses, 1, recipe, steps, False)[0]
