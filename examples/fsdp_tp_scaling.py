@@ -14,7 +14,11 @@ unless ``--no-precompute-scales``):
 * ``fp8func-tensorwise``, ``fp8func-rowwise``: ``fp8func.convert`` + the fp8func TP styles
   (``tp_fp8_parity.sp_plans(fp8_styles=True)``), FSDP2 fp8 all-gather on; ``...-off``: the same
   with ``fsdp_fp8_all_gather=False``. docs/fsdp.md's contract: the two loss sequences are
-  bitwise equal (the "on == off" column).
+  bitwise equal (the "on == off" column);
+* ``fp8func-delayed`` (and ``-off``): delayed scaling of inputs and grad_outputs with the weight
+  cast dynamically (``DelayedScaling(weight=False)``, so FSDP2 gathers it in FP8), the states
+  shared over dp (``share_scaling_state``), the stock TP styles (the FP8 sequence gathers cast
+  with dynamic scales); not in the default set (``--configs`` names it).
 
 Per configuration: global tokens/s (median step time after ``--warmup`` steps, slowest rank),
 the bytes each rank all-gathers per step over dp (FSDP2's weights) and over tp (sequence-parallel
@@ -60,7 +64,17 @@ CONFIGS = {
     "fp8func-tensorwise-off": ("fp8func", "tensorwise", False),
     "fp8func-rowwise": ("fp8func", "rowwise", True),
     "fp8func-rowwise-off": ("fp8func", "rowwise", False),
+    "fp8func-delayed": ("fp8func", "delayed-dynamic-weight", True),
+    "fp8func-delayed-off": ("fp8func", "delayed-dynamic-weight", False),
 }
+DEFAULT_CONFIGS = [n for n in CONFIGS if "delayed" not in n]
+
+
+def fp8func_recipe(recipe: str) -> f8.Recipe:
+    """The fp8func Recipe of a CONFIGS recipe name."""
+    if recipe == "delayed-dynamic-weight":
+        return f8.Recipe.from_name("delayed", delayed=f8.DelayedScaling(weight=False))
+    return f8.Recipe.from_name(recipe)
 # c10::ScalarType names, as the flight recorder writes them -> bytes per element
 ITEMSIZE = {"Byte": 1, "Char": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1, "Float8_e8m0fnu": 1,
             "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1, "Short": 2, "Half": 2, "BFloat16": 2,
@@ -182,8 +196,9 @@ def convert(model, name: str, fp8_lm_head: bool = False) -> tuple[dict, dict]:
     lib, recipe, fp8_gather = CONFIGS[name]
     keep = (lambda module, fqn: True) if fp8_lm_head else (lambda module, fqn: fqn != "lm_head")
     if lib == "fp8func":
-        f8.convert(model, recipe, fsdp_fp8_all_gather=fp8_gather, filter=keep)
-        plans = sp_plans(fp8_styles=True)
+        r = fp8func_recipe(recipe)
+        f8.convert(model, r, fsdp_fp8_all_gather=fp8_gather, filter=keep)
+        plans = sp_plans(fp8_styles=r.delayed is None)  # delayed casts its input itself: the stock styles
     elif lib == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -199,7 +214,10 @@ def convert(model, name: str, fp8_lm_head: bool = False) -> tuple[dict, dict]:
 
 def build(args, name: str, mesh, device):
     model = build_llama(args, device)
-    shard_2d(model, mesh, *convert(model, name, args.fp8_lm_head))
+    plans = convert(model, name, args.fp8_lm_head)
+    if CONFIGS[name][0] == "fp8func" and fp8func_recipe(CONFIGS[name][1]).delayed is not None:
+        f8.distributed.share_scaling_state(model, mesh["dp"])  # one state on every rank
+    shard_2d(model, mesh, *plans)
     if args.compile:  # per-layer compile, FSDP2's hooks eager (the torchtitan layout)
         for layer in model.model.layers:
             layer.compile()
@@ -212,7 +230,7 @@ def scale_precompute(args, name: str):
     (fp8func ``precompute_scales``, torchao ``precompute_float8_dynamic_scale_for_fsdp``; same
     numbers either way). None where it does not apply."""
     lib, recipe, fp8_gather = CONFIGS[name]
-    if not (args.precompute_scales and fp8_gather and recipe == "tensorwise"):
+    if not (args.precompute_scales and fp8_gather and recipe in ("tensorwise", "delayed-dynamic-weight")):
         return None
     if lib == "torchao":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -241,7 +259,10 @@ def prime_lazy_state(names, mesh, device) -> None:
     for recipe in sorted({CONFIGS[n][1] for n in names if CONFIGS[n][0] == "fp8func"}):
         for wrap in (lambda t: t, lambda t: DTensor.from_local(t, mesh["tp"], [Replicate()], run_check=False)):
             x, w = (wrap(torch.randn(32, 32, device=device, dtype=torch.bfloat16).requires_grad_()) for _ in "xw")
-            f8.linear(x, w, None, recipe=recipe).sum().backward()
+            r = fp8func_recipe(recipe)
+            state = f8.LinearScalingState.init(r.delayed.history_len, device) if r.delayed else None
+            y = f8.linear(x, w, None, recipe=r, state=state)
+            (y[0] if state is not None else y).sum().backward()
 
 
 def sync(device):
@@ -367,7 +388,7 @@ def parse_args():
     add_model_args(p, seq=8192, batch=1)
     p.set_defaults(steps=100, hidden=4096, intermediate=14336, layers=4, heads=32, kv_heads=8, vocab=128256)
     p.add_argument("--tp", type=int, default=2, help="TP degree; dp = world size / tp")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the median step time")
     p.add_argument("--bytes-steps", type=int, default=2, help="steps after the warm-up whose collectives are counted")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

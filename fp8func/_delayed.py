@@ -107,6 +107,10 @@ def next_state(state: ScalingState, amax: torch.Tensor, spec: CastSpec, algo: st
     history shifted by one, the scale remade from it (see the module docstring). With ``sharding``
     the amax of a local shard of ``shape`` is first reduced over the mesh dims that split it."""
     history, scale = state
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(amax, DTensor):  # the amax of a DTensor (TP): the global value, on every rank
+        amax = amax.full_tensor()
     amax = amax.reshape(1)
     if sharding is not None:
         amax = reduce_amax(amax, sharding.mesh, sharding.amax_mesh_dims(TensorWise(), shape))

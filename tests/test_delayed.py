@@ -292,3 +292,30 @@ def test_convert_with_a_dynamic_weight_gathers_it_in_fp8_and_keeps_its_state_idl
     delayed = f8.convert(nn.Sequential(nn.Linear(64, 128)), "delayed")
     assert not delayed[0].fsdp_fp8_all_gather
     assert "DelayedScaling(weight=False)" in f8.report(delayed, print_table=False)[0].reason
+
+
+def _dtensor_delayed(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    x, w, dy = _data(4)
+    state = _warm_state(x, w / 2, dy)
+    y_ref, new_ref = f8.linear(x, w, recipe="delayed", state=state)
+    xd = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    wd = DTensor.from_local(w.chunk(world_size)[rank].contiguous(), mesh, [Shard(0)], run_check=False)
+    y, new = f8.linear(xd, wd, recipe="delayed", state=state)  # a column-parallel layer (TP)
+    y = y.full_tensor()
+    states = all(torch.equal(a, b) for a, b in zip((*new.input, *new.weight), (*new_ref.input, *new_ref.weight)))
+    return {"states": states, "plain": all(not isinstance(t, DTensor) for t in (*new.input, *new.weight)),
+            "rel": ((y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()}
+
+
+def test_delayed_linear_on_dtensors_records_the_global_amax():
+    """Column-parallel DTensor operands (stock TP): the states record the whole tensors' amaxes,
+    as plain tensors equal on every rank, and the output is the one-process output."""
+    from .dist_harness import run_workers
+
+    for r in run_workers(_dtensor_delayed, 2):
+        assert r["states"] and r["plain"], r
+        assert r["rel"] < 1e-6, r
