@@ -375,7 +375,7 @@ class _LinearFn(torch.autograd.Function):
                     b = Fp8Tensor(x_a, x_b, Fp8Meta(activation_casts(recipe)[1][1], ctx.x_dtype, None))
                 else:
                     b = _cast_b(x_a.reshape(-1, x_a.shape[-1]), recipe.input)  # [M, K] along M
-                dw = gemm(qdy.t() if qdy_t is None else qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path, fast_accum="grad_weight" in recipe.fast_accum)
+                dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path, fast_accum="grad_weight" in recipe.fast_accum)
             dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ._ops import _check_hp, quantize_with_scale
 from ._qtensor import Fp8Tensor
@@ -107,8 +108,6 @@ def next_state(state: ScalingState, amax: torch.Tensor, spec: CastSpec, algo: st
     history shifted by one, the scale remade from it (see the module docstring). With ``sharding``
     the amax of a local shard of ``shape`` is first reduced over the mesh dims that split it."""
     history, scale = state
-    from torch.distributed.tensor import DTensor
-
     if isinstance(amax, DTensor):  # the amax of a DTensor (TP): the global value, on every rank
         amax = amax.full_tensor()
     amax = amax.reshape(1)
