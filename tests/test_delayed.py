@@ -319,3 +319,49 @@ def test_delayed_linear_on_dtensors_records_the_global_amax():
     for r in run_workers(_dtensor_delayed, 2):
         assert r["states"] and r["plain"], r
         assert r["rel"] < 1e-6, r
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _train_checkpointed(checkpoint_kwargs, recipe="delayed", steps=4):
+    """Two blocks of delayed-scaling layers, each block checkpointed (or not: None)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = f8.convert(nn.Sequential(_Block(), _Block()), recipe)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        h = (torch.randn(8, 64, generator=g) * (step + 1)).requires_grad_()  # reentrant checkpoint wants one
+        for block in model:
+            h = block(h) if checkpoint_kwargs is None else checkpoint(block, h, **checkpoint_kwargs)
+        loss = (h * torch.randn(h.shape, generator=g)).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def test_activation_checkpointing_replays_the_forward_state():
+    """Checkpointing recomputes each block's forward inside the backward; with
+    ``context_fn=checkpoint_context`` the recomputation casts with the state the forward used and
+    records nothing: losses and every state buffer bitwise the run without checkpointing. Without
+    it, the recomputation raises (it would cast with the moved-on state: gradients of a forward that
+    never ran, and each amax recorded twice)."""
+    plain = _train_checkpointed(None)
+    ckpt = _train_checkpointed({"use_reentrant": False, "context_fn": f8.nn.checkpoint_context})
+    assert plain[0] == ckpt[0]
+    assert plain[1].keys() == ckpt[1].keys() and all(torch.equal(plain[1][k], ckpt[1][k]) for k in plain[1])
+    assert plain[1]["0.a.fp8_x_history"][3] > 0  # four steps recorded, once each
+    for kwargs in ({"use_reentrant": False}, {"use_reentrant": True}):
+        with pytest.raises(RuntimeError, match=r"context_fn=fp8func.nn.checkpoint_context"):
+            _train_checkpointed(kwargs, steps=1)

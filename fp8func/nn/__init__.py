@@ -1,5 +1,6 @@
 """The stateful shell: modules that hold parameters and a recipe and call the pure functions."""
 
+from ._checkpoint import checkpoint_context as checkpoint_context
 from ._convert import LayerReport as LayerReport
 from ._convert import Report as Report
 from ._convert import convert as convert
@@ -18,4 +19,5 @@ from ._verify import Verification as Verification
 from ._verify import verify as verify
 
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MasterWeights", "MoE", "NumericsStats",
-           "PrecisionSchedule", "Report", "Router", "Verification", "convert", "report", "tensor_stats", "verify"]
+           "PrecisionSchedule", "Report", "Router", "Verification", "checkpoint_context", "convert", "report",
+           "tensor_stats", "verify"]

@@ -11,6 +11,7 @@ from .._autograd import linear, linear_delayed, linear_with_casts
 from .._delayed import LinearScalingState, ScalingState
 from .._gathered import gathered_casts
 from .._scaling import Recipe
+from ._checkpoint import current_phase
 from ..distributed._fp8_weights import Fp8WeightParam, check_fp8_weights_recipe
 from ..distributed._fsdp import Fp8AllGatherWeight
 
@@ -150,7 +151,12 @@ class Fp8Linear(nn.Linear):
                                  "DelayedScaling(weight=False) with a delayed recipe.")
             if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
                 self._hook_grad_output_state()  # (under torch.func the caller threads the state)
-            y, new = linear_delayed(x, w, self.bias, self.recipe, self.scaling_state(), self.amax_sharding, w_casts)
+            state = self.scaling_state()
+            if self.training and not torch.compiler.is_compiling():
+                replayed = self._checkpoint_state(state)
+                if replayed is not None:  # a recomputation: the forward's own state, nothing recorded
+                    return linear_delayed(x, w, self.bias, self.recipe, replayed, self.amax_sharding, w_casts)[0]
+            y, new = linear_delayed(x, w, self.bias, self.recipe, state, self.amax_sharding, w_casts)
             if self.training:
                 # Rebind, not copy_: the backward may read the old tensors (a compiled backward
                 # recomputes cheap ops from the forward's inputs), so they must stay unchanged.
@@ -162,6 +168,31 @@ class Fp8Linear(nn.Linear):
         if w_casts is None and x_casts is None:
             return linear(x, w, self.bias, self.recipe)
         return linear_with_casts(x, w, self.bias, self.recipe, w_casts, x_casts)
+
+    def _checkpoint_state(self, state: LinearScalingState) -> LinearScalingState | None:
+        """Activation checkpointing (``fp8func.nn.checkpoint_context``): stashes ``state`` in the
+        first forward of a checkpointed region and returns it to the recomputation (None
+        otherwise). A recomputation without the context raises: the state has moved on since."""
+        phase = current_phase()
+        if phase is not None and phase.mode == "replay":
+            pending = phase.stash.get(id(self))
+            if not pending:
+                raise RuntimeError("fp8func: a delayed-scaling layer is recomputed by activation checkpointing "
+                                   "but its first forward ran outside checkpoint_context; pass the same "
+                                   "context_fn=fp8func.nn.checkpoint_context to every checkpoint around it.")
+            return pending.pop(0)
+        if phase is not None and phase.mode == "record":
+            phase.stash.setdefault(id(self), []).append(state)
+        elif torch._C._current_graph_task_id() != -1:  # a training forward inside a backward
+            raise RuntimeError(
+                "fp8func: a delayed-scaling Fp8Linear ran its training forward inside a backward pass "
+                "(activation checkpointing recomputing it): its scaling state moved on after the first "
+                "forward, so the recomputed casts would differ from the forward's. Checkpoint with "
+                "torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, "
+                "context_fn=fp8func.nn.checkpoint_context) (HF: gradient_checkpointing_kwargs="
+                "{'use_reentrant': False, 'context_fn': fp8func.nn.checkpoint_context}), or use a "
+                "dynamic recipe.")
+        return None
 
     def extra_repr(self) -> str:
         fp8_weights = ", fp8_weights=True" if self.fp8_weights else ""
