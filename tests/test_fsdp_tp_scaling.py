@@ -1,7 +1,7 @@
 """examples/fsdp_tp_scaling.py run CI-sized: 4 gloo processes (dp2 x tp2), a tiny Llama, 3 steps.
 
 The script's JSON says, per configuration: finite losses, fp8func's FSDP2 fp8 all-gather on ==
-off bitwise (tensorwise and rowwise), and the all-gathered bytes the c10d flight recorder saw.
+off bitwise (tensorwise, rowwise, and delayed scaling with a dynamic weight), and the all-gathered bytes the c10d flight recorder saw.
 torchao is left out: its TP styles and its FSDP2 all-gather move float8 tensors, which gloo cannot
 (the script reports such a run n/a; on NCCL it runs)."""
 
@@ -12,7 +12,8 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).parents[1]
-CONFIGS = ["bf16", "fp8func-tensorwise", "fp8func-tensorwise-off", "fp8func-rowwise", "fp8func-rowwise-off"]
+CONFIGS = ["bf16", "fp8func-tensorwise", "fp8func-tensorwise-off", "fp8func-rowwise", "fp8func-rowwise-off",
+           "fp8func-delayed", "fp8func-delayed-off"]
 STEPS = 3
 ARGV = ["--device", "cpu", "--tp", "2", "--hidden", "128", "--intermediate", "256", "--layers", "2", "--heads", "4",
         "--kv-heads", "4", "--vocab", "256", "--seq", "128", "--batch", "2", "--steps", str(STEPS), "--warmup", "1",
@@ -40,7 +41,7 @@ def test_fsdp_tp_scaling_script_on_cpu(tmp_path):
         assert "error" not in r, (name, r.get("error"))
         assert r["finite"] and len(r["losses"]) == STEPS, (name, r["losses"])
         assert r["tokens_per_s"] > 0 and r["gather_bytes_dp"] > 0 and r["gather_bytes_tp"] > 0, r
-    for recipe in ("tensorwise", "rowwise"):
+    for recipe in ("tensorwise", "rowwise", "delayed"):
         on, off = rows[f"fp8func-{recipe}"], rows[f"fp8func-{recipe}-off"]
         # docs/fsdp.md's contract under 2-D: the fp8 all-gather changes no loss, bitwise.
         assert on["on_equals_off"] is True and off["on_equals_off"] is True, (on["losses"], off["losses"])
@@ -51,8 +52,10 @@ def test_fsdp_tp_scaling_script_on_cpu(tmp_path):
         assert off["gather_bytes_dp"] == rows["bf16"]["gather_bytes_dp"]
         # The sequence-parallel gathers over tp do not depend on FSDP2's setting.
         assert on["gather_bytes_tp"] == off["gather_bytes_tp"]
-    # Tensorwise activations and grad_outputs travel over tp as fp8 (row-wise sends two casts).
+    # Tensorwise activations and grad_outputs travel over tp as fp8 (row-wise sends two casts);
+    # delayed layers take the stock styles (they cast their own input): bf16 over tp.
     assert rows["fp8func-tensorwise"]["gather_bytes_tp"] < rows["bf16"]["gather_bytes_tp"]
+    assert rows["fp8func-delayed"]["gather_bytes_tp"] == rows["bf16"]["gather_bytes_tp"]
     # The flight recorder's dp bytes are FSDP2's all-gathers, counted a second way at the call (row-wise
     # fp8 weights' row scales travel in the same all-gather as their payloads).
     for name in CONFIGS:
