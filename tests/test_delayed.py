@@ -105,7 +105,7 @@ def test_linear_delayed_through_the_kernel_twin_is_bitwise_the_plain_casts(monke
     """KERNELS="reference" routes the three delayed casts through ``kernels.cast_amax`` (its PyTorch
     twin here; the Triton kernel on a GPU, tests/test_gpu.py), each writing its transposed copy
     for the backward in the same call: same output, gradients and states as the plain casts."""
-    import fp8func._autograd as autograd_mod
+    import fp8func._casts as casts_mod
     import fp8func.kernels as kernels
 
     x, w, dy = _data(2)
@@ -115,7 +115,7 @@ def test_linear_delayed_through_the_kernel_twin_is_bitwise_the_plain_casts(monke
     monkeypatch.setattr(kernels, "cast_amax", lambda *a, **k: calls.append(k.get("transpose")) or orig(*a, **k))
     runs = {}
     for mode in ("off", "reference"):
-        monkeypatch.setattr(autograd_mod, "KERNELS", mode)
+        monkeypatch.setattr(casts_mod, "KERNELS", mode)
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
         hist, scale = (t.clone().requires_grad_() for t in state.grad_output)
         y, new = f8.linear(xx, ww, recipe="delayed", state=state._replace(grad_output=ScalingState(hist, scale)))
@@ -128,9 +128,9 @@ def test_linear_delayed_through_the_kernel_twin_is_bitwise_the_plain_casts(monke
 
 @pytest.mark.parametrize("kernels", ["off", "reference"])
 def test_linear_delayed_compiles_fullgraph_and_matches_eager(kernels, monkeypatch):
-    import fp8func._autograd as autograd_mod
+    import fp8func._casts as casts_mod
 
-    monkeypatch.setattr(autograd_mod, "KERNELS", kernels)
+    monkeypatch.setattr(casts_mod, "KERNELS", kernels)
     x, w, dy = _data(1)
     state = _warm_state(x, w, dy)
 
@@ -240,10 +240,10 @@ def test_delayed_scaling_with_a_dynamic_weight(kernels, monkeypatch):
     """``DelayedScaling(weight=False)`` casts the weight with its own amax: the same bits as the
     delayed weight cast whose state holds exactly that amax; its weight state is returned as given;
     weight casts made elsewhere (FSDP2's fp8 gather) give the same bits; compiled equals eager."""
-    import fp8func._autograd as autograd_mod
-    from fp8func._autograd import linear_delayed
+    import fp8func._casts as casts_mod
+    from fp8func._delayed_linear import linear_delayed
 
-    monkeypatch.setattr(autograd_mod, "KERNELS", kernels)
+    monkeypatch.setattr(casts_mod, "KERNELS", kernels)
     x, w, dy = _data(3)
     state = _warm_state(x, w * 3, dy)  # a weight state that is not w's own
     dynamic = f8.Recipe.from_name("delayed", delayed=f8.DelayedScaling(history_len=4, weight=False))

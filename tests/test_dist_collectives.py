@@ -84,16 +84,17 @@ def _kernel_delayed_cast_is_quantize_delayed(shard, x, sharding) -> bool:
     """The delayed cast of a shard through ``kernels.cast_amax`` (its twin here) records the
     mesh-reduced amax: the same cast, new state and meta as ``quantize(state=..., sharding=...)``,
     and the history's newest entry is the full tensor's amax on every rank."""
-    import fp8func._autograd as autograd_mod
+    import fp8func._casts as casts_mod
     from fp8func._delayed import ScalingState, quantize_delayed
+    from fp8func._delayed_linear import _cast_delayed
 
     spec = f8.CastSpec()
     state = ScalingState.from_tensor(x * 0.25, spec, 4)  # saturates: x is 4x larger
-    before, autograd_mod.KERNELS = autograd_mod.KERNELS, "reference"
+    before, casts_mod.KERNELS = casts_mod.KERNELS, "reference"
     try:
-        q, q_t, new = autograd_mod._cast_delayed(shard, spec, state, "max", sharding, transpose=True)
+        q, q_t, new = _cast_delayed(shard, spec, state, "max", sharding, transpose=True)
     finally:
-        autograd_mod.KERNELS = before
+        casts_mod.KERNELS = before
     want, want_new = quantize_delayed(shard, spec, state, sharding=sharding)
     return (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
             and q.meta == want.meta and torch.equal(q_t.data.view(torch.uint8), want.data.t().contiguous().view(torch.uint8))
@@ -104,14 +105,14 @@ def _kernel_delayed_cast_is_quantize_delayed(shard, x, sharding) -> bool:
 def _kernel_cast_is_quantize(shard, spec, sharding) -> bool:
     """``_cast`` through the kernel dispatch (its twins on the CPU: amax, mesh reduction, cast with
     the reduced scale; FSDP2's pre-all-gather and the TP sequence gather use it) is ``quantize``."""
-    import fp8func._autograd as autograd_mod
+    import fp8func._casts as casts_mod
 
-    before, autograd_mod.KERNELS = autograd_mod.KERNELS, "reference"
+    before, casts_mod.KERNELS = casts_mod.KERNELS, "reference"
     try:
         tensorwise = isinstance(spec.granularity, f8.TensorWise)
-        q, q_t = autograd_mod._cast(shard, spec, transpose=tensorwise, sharding=(sharding,))
+        q, q_t = casts_mod._cast(shard, spec, transpose=tensorwise, sharding=(sharding,))
     finally:
-        autograd_mod.KERNELS = before
+        casts_mod.KERNELS = before
     want = f8.quantize(shard, spec, sharding=sharding)
     same = (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
             and q.meta == want.meta)
@@ -215,7 +216,7 @@ def test_more_sharding_errors():
 
 def _dtensor_casts(rank, world_size):
     """Eager casts of DTensors through the kernel dispatch (twins on the CPU) against DTensor ops."""
-    import fp8func._autograd as autograd_mod
+    import fp8func._casts as casts_mod
     from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -224,18 +225,18 @@ def _dtensor_casts(rank, world_size):
     bad = []
 
     calls = {"reference": 0, "off": 0}
-    orig = autograd_mod._cast_dtensor
+    orig = casts_mod._cast_dtensor
 
     def counted(*a, **k):
-        calls[autograd_mod.KERNELS] += 1
+        calls[casts_mod.KERNELS] += 1
         return orig(*a, **k)
 
     def run(mode, fn):
-        before, autograd_mod.KERNELS, autograd_mod._cast_dtensor = autograd_mod.KERNELS, mode, counted
+        before, casts_mod.KERNELS, casts_mod._cast_dtensor = casts_mod.KERNELS, mode, counted
         try:
             return fn()
         finally:
-            autograd_mod.KERNELS, autograd_mod._cast_dtensor = before, orig
+            casts_mod.KERNELS, casts_mod._cast_dtensor = before, orig
 
     def full(t):
         return t.full_tensor() if isinstance(t, DTensor) else t
@@ -245,8 +246,8 @@ def _dtensor_casts(rank, world_size):
         for gran in (f8.TensorWise(), f8.AxisWise(-1)):
             spec = f8.CastSpec(granularity=gran)
             transpose = isinstance(gran, f8.TensorWise)
-            ours = run("reference", lambda: autograd_mod._cast(d, spec, transpose))
-            plain = run("off", lambda: autograd_mod._cast(d, spec, transpose))
+            ours = run("reference", lambda: casts_mod._cast(d, spec, transpose))
+            plain = run("off", lambda: casts_mod._cast(d, spec, transpose))
             for a, b in zip(ours, plain):
                 if a is None:
                     continue

@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp8func as f8
-from fp8func._autograd import weight_casts
+from fp8func._casts import weight_casts
 
 from .dist_harness import run_workers
 from .models import batch, tiny_qwen3

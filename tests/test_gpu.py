@@ -115,7 +115,7 @@ def test_mx_on_hopper_falls_back_loudly(caplog):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_linear_with_triton_kernels_is_bitwise_the_plain_casts(recipe, compiled, monkeypatch):
-    import fp8func._autograd as autograd_mod
+    import fp8func._casts as casts_mod
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4, 256, 512, device="cuda", generator=g).bfloat16()
@@ -123,7 +123,7 @@ def test_linear_with_triton_kernels_is_bitwise_the_plain_casts(recipe, compiled,
     dy = torch.randn(4, 256, 1024, device="cuda", generator=g).bfloat16()
     runs = {}
     for mode in ("off", "auto"):
-        monkeypatch.setattr(autograd_mod, "KERNELS", mode)
+        monkeypatch.setattr(casts_mod, "KERNELS", mode)
         torch._dynamo.reset()
         fn = lambda x, w: f8.linear(x, w, recipe=recipe)  # noqa: E731
         fn = torch.compile(fn, fullgraph=True) if compiled else fn
@@ -139,7 +139,7 @@ def test_linear_with_triton_kernels_is_bitwise_the_plain_casts(recipe, compiled,
 def test_delayed_linear_with_triton_kernels_is_bitwise_the_plain_casts(compiled, monkeypatch):
     """Delayed scaling through ``kernels.cast_amax`` (cast, transposed copy and amax in one pass)
     against the plain ``quantize(state=...)`` casts: output, gradients and all three new states."""
-    import fp8func._autograd as autograd_mod
+    import fp8func._casts as casts_mod
     from fp8func._delayed import LinearScalingState, ScalingState
 
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -156,7 +156,7 @@ def test_delayed_linear_with_triton_kernels_is_bitwise_the_plain_casts(compiled,
 
     runs = {}
     for mode in ("off", "auto"):
-        monkeypatch.setattr(autograd_mod, "KERNELS", mode)
+        monkeypatch.setattr(casts_mod, "KERNELS", mode)
         torch._dynamo.reset()
         fn = torch.compile(step, fullgraph=True) if compiled else step
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()

@@ -180,7 +180,7 @@ def test_no_grad_forward_and_partial_grads():
 def test_linear_through_the_kernel_twins_is_bitwise_the_plain_casts(recipe, monkeypatch):
     """KERNELS="reference" routes every cast that has a fused kernel through the kernel dispatch
     (its PyTorch twin here; the Triton kernel on a GPU, tests/test_gpu.py): same bits."""
-    import fp8func._autograd as autograd_mod
+    import fp8func._casts as casts_mod
     import fp8func.kernels as kernels
 
     calls = []
@@ -192,7 +192,7 @@ def test_linear_through_the_kernel_twins_is_bitwise_the_plain_casts(recipe, monk
     dy = torch.randn(2, 128, 384, generator=g).bfloat16()
     runs = {}
     for mode in ("off", "reference"):
-        monkeypatch.setattr(autograd_mod, "KERNELS", mode)
+        monkeypatch.setattr(casts_mod, "KERNELS", mode)
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = f8.linear(xx, ww, recipe=recipe)
         y.backward(dy)
@@ -212,7 +212,7 @@ def test_kernel_granularities_are_the_kernels_own():
     """``_has_kernel`` (written without equality tests, for cheap compile guards) names exactly the
     granularities ``fp8func.kernels`` quantizes; the others raise there."""
     import fp8func.kernels as kernels
-    from fp8func._autograd import _has_kernel
+    from fp8func._casts import _has_kernel
 
     x = torch.randn(256, 256)
     for g in (f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(1), f8.AxisWise(0), f8.BlockWise((1, 128)),
@@ -245,7 +245,8 @@ def test_backward_reads_a_given_weight_cast_after_its_refill(compiled, dtensor):
 
 
 def _refill_case(rank, world_size, compiled, dtensor):
-    from fp8func._autograd import linear_with_casts, weight_casts
+    from fp8func._autograd import linear_with_casts
+    from fp8func._casts import weight_casts
 
     recipe = f8.Recipe.from_name("rowwise")
     (_, spec_w), (_, spec_t) = weight_casts(recipe)

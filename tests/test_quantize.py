@@ -184,8 +184,8 @@ def test_empty_tensor():
        square=st.booleans())
 def test_transposed_copy_with_the_forward_scales_is_a_fresh_cast(x, dtype, p2, square):
     """``linear`` casts the transposed copy of a tensorwise / square-block operand with the forward
-    cast's scales instead of a second amax (``_autograd._cast``): bitwise a fresh cast of ``x.T``."""
-    from fp8func._autograd import _cast
+    cast's scales instead of a second amax (``_casts._cast``): bitwise a fresh cast of ``x.T``."""
+    from fp8func._casts import _cast
 
     spec = f8.CastSpec(dtype=dtype, granularity=f8.BlockWise((4, 4)) if square else f8.TensorWise(), power_of_2=p2)
     q, q_t = _cast(x, spec, transpose=True)
@@ -206,17 +206,17 @@ def test_tensorwise_amax_of_a_permuted_view(x, perm):
 
 @given(x=tensors(shapes_2d(mult=(1, 1)), specials=True), gi=st.integers(0, 3), transposed=st.booleans())
 def test_amax_dispatch_is_compute_amax(x, gi, transposed):
-    """``_autograd._amax`` (FSDP2's scale-only pass) takes the amax kernel where one applies (its
+    """``_casts._amax`` (FSDP2's scale-only pass) takes the amax kernel where one applies (its
     twin here) and ``compute_amax`` otherwise: the same bits, NaN included."""
-    import fp8func._autograd as autograd_mod
+    import fp8func._casts as casts_mod
     from fp8func._scaling import compute_amax
 
     g = [f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(0), f8.BlockWise((1, 1))][gi]
     t = x.t() if transposed else x  # a transposed view: not contiguous, so no kernel
-    before, autograd_mod.KERNELS = autograd_mod.KERNELS, "reference"
+    before, casts_mod.KERNELS = casts_mod.KERNELS, "reference"
     try:
-        got = autograd_mod._amax(t, g)
+        got = casts_mod._amax(t, g)
     finally:
-        autograd_mod.KERNELS = before
+        casts_mod.KERNELS = before
     want = compute_amax(t, g)
     assert got.shape == want.shape and torch.equal(got.nan_to_num(nan=-1.0), want.nan_to_num(nan=-1.0))

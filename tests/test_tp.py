@@ -151,6 +151,7 @@ class SwiGLU(nn.Module):
 def _seed_scenario(rank, world_size, recipe):
     """torchtitan's NaN: colwise outputs kept as DTensors (use_local_output=False), row-wise recipe."""
     import fp8func._autograd as autograd_mod
+    import fp8func._casts as casts_mod
 
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
@@ -172,7 +173,7 @@ def _seed_scenario(rank, world_size, recipe):
                         and torch.equal(f8.dequantize(q, torch.float32).full_tensor(), f8.dequantize(full, torch.float32)))
         return q
 
-    autograd_mod.quantize = recording
+    autograd_mod.quantize = casts_mod.quantize = recording  # the linear's casts, and _cast_b's
     try:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(64, 128, generator=g) * 50  # large activations: a local amax would overflow
@@ -181,7 +182,7 @@ def _seed_scenario(rank, world_size, recipe):
         y.backward(dy)
         y_ref.backward(dy)
     finally:
-        autograd_mod.quantize = orig
+        autograd_mod.quantize = casts_mod.quantize = orig
     grads_ok = all(torch.isfinite(p.grad.full_tensor()).all() for p in model.parameters())
     close = (y - y_ref).abs().max().item() / y_ref.abs().max().item()
     wgrad = max((m.weight.grad.full_tensor() - r.weight.grad).abs().max().item() / r.weight.grad.abs().max().item()

@@ -41,7 +41,7 @@ import copy
 import torch
 from torch.distributed.tensor import Shard
 
-from .._autograd import weight_casts
+from .._casts import weight_casts
 from .._ops import dequantize, quantize
 from .._qtensor import Fp8Tensor
 from .._scaling import Recipe

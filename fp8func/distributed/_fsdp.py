@@ -33,7 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
-from .._autograd import _cast, _cast_with_scale, _scale, weight_casts
+from .._casts import _cast, _cast_with_scale, _scale, weight_casts
 from .._collectives import _gather_padded
 from .._gathered import Fp8GatheredWeight
 from .._qtensor import Fp8Meta, Fp8Tensor

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from .._autograd import _cast, activation_casts, grad_output_casts
+from .._casts import _cast, activation_casts, grad_output_casts
 from .._collectives import _gather_padded
 from .._qtensor import Fp8Tensor
 from .._scaling import Recipe, raw_block_lengths

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._autograd import linear, linear_delayed, linear_with_casts
+from .._autograd import linear, linear_with_casts
 from .._delayed import LinearScalingState, ScalingState
+from .._delayed_linear import linear_delayed
 from .._gathered import gathered_casts
 from .._scaling import Recipe
 from ._checkpoint import current_phase

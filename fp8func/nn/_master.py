@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._autograd import weight_casts
+from .._casts import weight_casts
 from .._ops import quantize_with_scale
 from .._scaling import compute_amax, compute_scale
 from .._sharding import reduce_amax
