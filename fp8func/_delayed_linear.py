@@ -64,7 +64,8 @@ class _DelayedLinearFn(torch.autograd.Function):
         qx, qx_t, sx = _cast_delayed(x.reshape(-1, x.shape[-1]), recipe.input, ScalingState(x_hist, x_scale), algo,
                                      sharding, transposes[0])
         if recipe.delayed.weight:
-            qw, qw_t, sw = _cast_delayed(weight, recipe.weight, ScalingState(w_hist, w_scale), algo, None, transposes[1])
+            qw, qw_t, sw = _cast_delayed(weight, recipe.weight, ScalingState(w_hist, w_scale), algo, None,
+                                         transposes[1])
             w_state = (sw.amax_history, sw.scale)
         elif w_data is None:
             qw, qw_t = _cast(weight, recipe.weight, transpose=transposes[1])

@@ -97,7 +97,8 @@ def _kernel_delayed_cast_is_quantize_delayed(shard, x, sharding) -> bool:
         casts_mod.KERNELS = before
     want, want_new = quantize_delayed(shard, spec, state, sharding=sharding)
     return (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
-            and q.meta == want.meta and torch.equal(q_t.data.view(torch.uint8), want.data.t().contiguous().view(torch.uint8))
+            and q.meta == want.meta
+            and torch.equal(q_t.data.view(torch.uint8), want.data.t().contiguous().view(torch.uint8))
             and all(torch.equal(a, b) for a, b in zip(new, want_new))
             and new.amax_history[0] == x.abs().max() and new.amax_history[1] == (x * 0.25).abs().max())
 

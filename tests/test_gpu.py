@@ -147,7 +147,8 @@ def test_delayed_linear_with_triton_kernels_is_bitwise_the_plain_casts(compiled,
     w = (torch.randn(1024, 512, device="cuda", generator=g) / 512**0.5).bfloat16()
     dy = torch.randn(4, 256, 1024, device="cuda", generator=g).bfloat16()
     spec = f8.Recipe.from_name("delayed")
-    state = LinearScalingState(ScalingState.from_tensor(x, spec.input, 4), ScalingState.from_tensor(w / 4, spec.weight, 4),
+    state = LinearScalingState(ScalingState.from_tensor(x, spec.input, 4),
+                               ScalingState.from_tensor(w / 4, spec.weight, 4),
                                ScalingState.from_tensor(dy * 8, spec.grad_output, 4))  # w's scale saturates
 
     def step(x, w, hist, scale):
