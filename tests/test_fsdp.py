@@ -258,6 +258,47 @@ def test_activation_checkpointing(recipe):
         assert isinstance(on, str) and "activation checkpointing recomputes the forward" in on, on
 
 
+def _checkpointed_delayed(rank, world_size, checkpointing):
+    """Delayed scaling (dynamic weight: FSDP2 gathers it in FP8) with each decoder layer under
+    checkpoint_wrapper, three SGD steps; ``checkpointing``: None, "context" or "plain"."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = tiny_qwen3()
+    f8.convert(model, f8.Recipe.from_name("delayed", delayed=f8.DelayedScaling(weight=False)))
+    f8.distributed.share_scaling_state(model, mesh)
+    kwargs = {"context_fn": f8.nn.checkpoint_context} if checkpointing == "context" else {}
+    for i, layer in enumerate(model.model.layers):
+        if checkpointing:
+            model.model.layers[i] = layer = checkpoint_wrapper(layer, **kwargs)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    try:
+        for step in range(3):
+            ids, labels = batch(step, rank)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    except RuntimeError as e:
+        return str(e)
+    return losses
+
+
+def test_activation_checkpointing_with_delayed_scaling_under_fsdp2():
+    """FSDP2 + checkpoint_wrapper + delayed scaling: with ``context_fn=checkpoint_context`` the
+    recomputed layers cast with their forward's state (losses bitwise the run without
+    checkpointing); without it the recomputation raises instead of training on other casts."""
+    plain = run_workers(_checkpointed_delayed, 2, None)
+    replayed = run_workers(_checkpointed_delayed, 2, "context")
+    assert plain == replayed and all(isinstance(r, list) and len(r) == 3 for r in plain), (plain, replayed)
+    failed = run_workers(_checkpointed_delayed, 2, "plain")[0]
+    assert isinstance(failed, str) and "context_fn=fp8func.nn.checkpoint_context" in failed, failed
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fsdp_uneven_shards(recipe):
     # 3 ranks: 256-row weights shard as 86/86/84 rows, so FSDP2 pads the last shard.
