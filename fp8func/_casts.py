@@ -50,6 +50,11 @@ def _kernel_tensor(t: torch.Tensor) -> bool:
     return KERNELS == "reference" or t.is_cuda
 
 
+def _kernel_impl() -> str:
+    """The ``impl`` the casts pass to ``fp8func.kernels`` under ``KERNELS``."""
+    return "reference" if KERNELS == "reference" else "auto"
+
+
 def _use_kernels(t: torch.Tensor, spec: CastSpec) -> bool:
     return _has_kernel(spec.granularity) and _kernel_tensor(t)
 
@@ -61,7 +66,7 @@ def _amax(t: torch.Tensor, granularity) -> torch.Tensor:
     if (isinstance(granularity, TensorWise) or rows_or_cols) and _kernel_tensor(t):
         from . import kernels
 
-        return kernels.amax(t, granularity, impl="reference" if KERNELS == "reference" else "auto")
+        return kernels.amax(t, granularity, impl=_kernel_impl())
     return compute_amax(t, granularity)
 
 
@@ -131,7 +136,7 @@ def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False,
     if _use_kernels(t, spec) and not (reduced and transpose and not _transpose_invariant(spec)):
         from . import kernels
 
-        impl = "reference" if KERNELS == "reference" else "auto"
+        impl = _kernel_impl()
         if not reduced:
             q, q_t = kernels.quantize(t, spec, transpose=transpose, impl=impl)
         else:
@@ -162,7 +167,7 @@ def _cast_with_scale(t: torch.Tensor, scale: torch.Tensor, spec: CastSpec,
     if _use_kernels(t, spec):
         from . import kernels
 
-        data, _ = kernels.cast(t, scale, spec, impl="reference" if KERNELS == "reference" else "auto")
+        data, _ = kernels.cast(t, scale, spec, impl=_kernel_impl())
         return Fp8Tensor(data, scale, meta)
     return quantize_with_scale(t, scale, spec, sharding=sharding[0] if len(sharding) == 1 else None)
 

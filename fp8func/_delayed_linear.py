@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _casts
-from ._casts import _cast, _forward_transposes, _use_kernels, weight_casts
+from ._casts import _cast, _forward_transposes, _kernel_impl, _use_kernels, weight_casts
 from ._delayed import LinearScalingState, ScalingState, cast_scale, next_state, quantize_delayed
 from ._gemm import gemm
 from ._ops import quantize_with_scale
@@ -34,8 +33,7 @@ def _cast_delayed(t: torch.Tensor, spec: CastSpec, state: ScalingState, algo: st
         from . import kernels
 
         scale = cast_scale(state)
-        data, data_t, amax = kernels.cast_amax(t, scale, spec, transpose=transpose,
-                                               impl="reference" if _casts.KERNELS == "reference" else "auto")
+        data, data_t, amax = kernels.cast_amax(t, scale, spec, transpose=transpose, impl=_kernel_impl())
         q = Fp8Tensor(data, scale, Fp8Meta(spec, t.dtype, sharding))
         q_t = Fp8Tensor(data_t, scale, Fp8Meta(spec, t.dtype, None)) if transpose else None
         return q, q_t, next_state(state, amax, spec, algo, sharding, tuple(t.shape))
