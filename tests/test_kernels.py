@@ -282,6 +282,37 @@ def test_triton_quantize_bitwise_twin(g, combo, transpose, kind):
         _check_quantize(_gpu_input(shape, dtype, kind, i), spec, transpose, _eager)
 
 
+# The +T block routes' launch layouts (the sweep picks one, the tests above run that one):
+# chunk 0 is the whole-tile _quant_kernel; else _quant_t_kernel's slab walks.
+BLOCK_T_LAYOUTS = [dict(chunk=0, warps=4), dict(chunk=64, order=1, evict=True, warps=4),
+                   dict(chunk=64, order=1, evict=True, warps=2), dict(chunk=32, order=1, warps=4),
+                   dict(chunk=16, order=1, warps=8), dict(chunk=64, order=0, warps=4),
+                   dict(chunk=32, order=0, evict=True, warps=2)]
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("g", [B1, B128], ids=repr)
+@pytest.mark.parametrize("layout", BLOCK_T_LAYOUTS, ids=lambda d: "-".join(f"{k}{int(v)}" for k, v in d.items()))
+def test_triton_block_t_every_layout_bitwise_twin(g, layout, monkeypatch):
+    import dataclasses
+
+    from fp8func.kernels import _triton_quant
+
+    route = "block_128_t" if g == B128 else "block_1x128_t"
+    cfg = dataclasses.replace(_triton_quant.CONFIGS[route], **{"order": 0, "evict": False, **layout})
+    monkeypatch.setitem(_triton_quant.CONFIGS, route, cfg)
+    if g == B128 and cfg.chunk and cfg.order == 0:  # refused: miscompiled (see launch_quant_t)
+        with pytest.raises(ValueError, match="order=0"):
+            fk.quantize(torch.zeros(128, 128, device="cuda"), f8.CastSpec(f8.E4M3, g), transpose=True, impl="triton")
+        return
+    for combo in COMBOS[:2]:  # bf16 -> E4M3 pow2, fp32 -> E5M2 (the suite above runs all four on the winner)
+        spec = f8.CastSpec(combo[1], g, combo[2])
+        for i, shape in enumerate(s for s in SHAPES[KEY[g]] if s[0] % 128 == 0 and s[0] * s[1] < 2**20):
+            for kind in ("randn", "specials"):
+                _check_quantize(_gpu_input(shape, combo[0], kind, i), spec, True, _eager)
+
+
 @pytest.mark.gpu
 @needs_triton
 @pytest.mark.parametrize("g", GRANULARITIES, ids=repr)
