@@ -242,8 +242,9 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
             sb = _scale_of(sb, INV_MAX, POW2)
             if pid_m == 0:
                 tl.store(sb_out_ptr + b_idx, sb, mask=cmask)
-        y_t = _saturate(x, _recip(sb)[None, :], FP8_MAX).to(data_t_ptr.dtype.element_ty)
-        tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(y_t),
+        # cast from the transposed fp32 tile, never by transposing the fp8 one (see _quant_t_kernel)
+        y_t = _saturate(tl.trans(x), _recip(sb)[:, None], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], y_t,
                  mask=cmask[:, None] & rmask[None, :])
 
 
@@ -287,8 +288,8 @@ def _quant_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s0,
             tl.store(scale_t_ptr + pid_k * t0 + pid_m * t1 + cols * 0, st, mask=cols == pid_k * BK)
         else:
             tl.store(scale_t_ptr + cols * t0 + pid_m * t1, st, mask=cmask)
-        y_t = _saturate(x, _recip(st)[None, :], FP8_MAX).to(data_t_ptr.dtype.element_ty)
-        tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(y_t),
+        y_t = _saturate(tl.trans(x), _recip(st)[:, None], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], y_t,
                  mask=cmask[:, None] & rmask[None, :])
 
 
