@@ -295,6 +295,7 @@ def _quant_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s0,
 
 @triton.jit
 def _load_x(ptrs, mask, EVICT: tl.constexpr):
+    """``x`` as fp32 (masked-off elements 0), with an L2 eviction hint: 1 evict-last, 2 evict-first."""
     if EVICT == 1:
         x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
     elif EVICT == 2:
