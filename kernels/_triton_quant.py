@@ -11,7 +11,8 @@ Imported lazily by the dispatcher, only where Triton is installed. Five kernels:
   (AxisWise(-1)), 1x128 blocks (and their 128x1 transposed blocks), 128x128 blocks.
 - ``_quant_t_kernel``: the block groups with the transposed copy, one ``128 x 128`` tile per
   program walked twice in slabs (the second walk re-reads ``x`` from cache), so that no thread
-  holds the whole tile: 1.1x (1x128) and 1.25x (128x128) faster than ``_quant_kernel``'s.
+  holds the whole tile: 1.05-1.1x (1x128) and 1.3x (128x128) faster than ``_quant_kernel``'s
+  (docs/kernels.md, session 8).
 
 Numerics mirror ``fp8func.quantize`` exactly (see ``fp8func/_scaling.py``): amax is a max over
 the int32 bit patterns of ``|x|`` (monotonic for non-negative floats, NaN above inf, exact and
