@@ -31,6 +31,8 @@ TILES_T = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 64, 8), 
 # rows; 128x128 groups take order 1 only: order 0 was miscompiled there, see launch_quant_t)
 BLOCK_T = [C(128, 128, w, chunk=ch, order=o, evict=e) for ch in (16, 32, 64) for w in (2, 4, 8)
            for o in (0, 1) for e in (False, True)]
+# the same walks as loops (Config.unroll): fewer registers live, more programs per SM
+BLOCK_T_LOOP = [dataclasses.replace(c, unroll=u) for c in BLOCK_T for u in (1, 2) if c.order == 1 and c.chunk * u < 128]
 CANDIDATES: dict[str, list[Config]] = {
     "amax_flat": [C(1, bk, w, st, programs=p) for bk, w in [(4096, 4), (8192, 8), (16384, 16)]
                   for p in (528, 1056, 2112) for st in (1, 3)],
@@ -48,9 +50,9 @@ CANDIDATES: dict[str, list[Config]] = {
                                                     (128, 64, 4), (64, 64, 4)]],
     "rowwise": [C(bm, 0, w) for bm in (4096, 8192, 16384) for w in (4, 8, 16)],
     "block_1x128": [C(bm, 128, w) for bm in (16, 32, 64) for w in (4, 8)],
-    "block_1x128_t": [C(128, 128, w) for w in (4, 8, 16)] + BLOCK_T,
+    "block_1x128_t": [C(128, 128, w) for w in (4, 8, 16)] + BLOCK_T + BLOCK_T_LOOP,
     "block_128": [C(128, 128, w) for w in (4, 8, 16)],
-    "block_128_t": [C(128, 128, w) for w in (4, 8, 16)] + [c for c in BLOCK_T if c.order == 1],
+    "block_128_t": [C(128, 128, w) for w in (4, 8, 16)] + [c for c in BLOCK_T if c.order == 1] + BLOCK_T_LOOP,
 }
 # route: (spec, op, transpose); "amax_2d" is timed inside rowwise+T (its only fused user).
 ROUTES = {
@@ -89,7 +91,7 @@ def _row(r: dict) -> str:
     c = r["config"]
     return (f"| {r['route']} | {r['shape'][0]}x{r['shape'][1]} | bm={c['bm']} bk={c['bk']} w={c['warps']} "
             f"st={c['stages']} p={c['programs']} mc={c['m_chunk']} a={c['amax_out']} ch={c['chunk']} o={c['order']} "
-            f"e={int(c['evict'])} | {r['bitwise']} | {r['ms']:.4f} | "
+            f"e={int(c['evict'])} u={c.get('unroll', 0)} | {r['bitwise']} | {r['ms']:.4f} | "
             f"{r['gbps']:.0f} |")
 
 

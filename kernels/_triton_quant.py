@@ -12,7 +12,8 @@ Imported lazily by the dispatcher, only where Triton is installed. Five kernels:
 - ``_quant_t_kernel``: the block groups with the transposed copy, one ``128 x 128`` tile per
   program walked twice in slabs (the second walk re-reads ``x`` from cache), so that no thread
   holds the whole tile: 1.05-1.1x (1x128) and 1.3x (128x128) faster than ``_quant_kernel``'s
-  (docs/kernels.md, session 8).
+  (docs/kernels.md, session 8); 1x128 walks as loops in 2 warps, another 1.07x (session 9: the
+  unrolled walks held 249 registers a thread, 12.5% occupancy under ncu).
 
 Numerics mirror ``fp8func.quantize`` exactly (see ``fp8func/_scaling.py``): amax is a max over
 the int32 bit patterns of ``|x|`` (monotonic for non-negative floats, NaN above inf, exact and
@@ -54,7 +55,8 @@ class Config:
     registers (``_quant_kernel``); else ``_quant_t_kernel`` walks the tile twice in ``[128, chunk]``
     column slabs (the second walk re-reads them from cache), ``order`` 1 walks the second time in
     ``[chunk, 128]`` row slabs instead, ``evict`` marks the first walk's loads evict-last and the
-    second's evict-first.
+    second's evict-first. ``unroll``: 0 unrolls the walks (every slab's loads may be hoisted at
+    once), else they are loops unrolled ``unroll`` times (fewer registers, more programs per SM).
     """
 
     bm: int
@@ -67,6 +69,7 @@ class Config:
     chunk: int = 0
     order: int = 0
     evict: bool = False
+    unroll: int = 0
 
 
 CONFIGS: dict[str, Config] = {  # winners of the sweep on an H200 (docs/kernels.md)
@@ -80,7 +83,7 @@ CONFIGS: dict[str, Config] = {  # winners of the sweep on an H200 (docs/kernels.
     "cast_block_t": Config(bm=64, bk=128, warps=4),
     "rowwise": Config(bm=4096, bk=0, warps=4),
     "block_1x128": Config(bm=16, bk=128, warps=4),
-    "block_1x128_t": Config(bm=128, bk=128, warps=4, chunk=64, order=1, evict=True),
+    "block_1x128_t": Config(bm=128, bk=128, warps=2, chunk=64, order=1, evict=True, unroll=1),
     "block_128": Config(bm=128, bk=128, warps=16),
     "block_128_t": Config(bm=128, bk=128, warps=4, chunk=64, order=1, evict=True),
 }
@@ -307,10 +310,68 @@ def _load_x(ptrs, mask, EVICT: tl.constexpr):
 
 
 @triton.jit
+def _t_first_slab(x_rows, rows, rmask, row_bits, c0, pid_m, pid_k, data_t_ptr, scale_t_ptr, M, K, t0, t1,
+                  TILE_GROUP: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                  B: tl.constexpr, CH: tl.constexpr, EVICT: tl.constexpr):
+    """``_quant_t_kernel``'s first walk, one ``[B, CH]`` column slab: the rows' running maxima,
+    and for 1x128 groups the slab's column scales and its transposed cast (the columns' groups)."""
+    cols = pid_k * B + c0 + tl.arange(0, CH)
+    cmask = cols < K
+    x = _load_x(x_rows + cols[None, :], rmask[:, None] & cmask[None, :], EVICT)
+    bits = _abs_bits(x)
+    row_bits = tl.maximum(row_bits, tl.max(bits, 1))
+    if not TILE_GROUP:
+        st = _scale_of(tl.max(bits, 0).to(tl.float32, bitcast=True), INV_MAX, POW2)
+        tl.store(scale_t_ptr + cols * t0 + pid_m * t1, st, mask=cmask)
+        y_t = _saturate(tl.trans(x), _recip(st)[:, None], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], y_t,
+                 mask=cmask[:, None] & rmask[None, :])
+    return row_bits
+
+
+@triton.jit
+def _t_second_col_slab(x_rows, rows, rmask, s, c0, pid_k, data_ptr, data_t_ptr, M, K,
+                       TILE_GROUP: tl.constexpr, FP8_MAX: tl.constexpr, B: tl.constexpr, CH: tl.constexpr,
+                       EVICT: tl.constexpr):
+    """The second walk by a ``[B, CH]`` column slab (order 0): the rows' cast (and 128x128's transposed one)."""
+    cols = pid_k * B + c0 + tl.arange(0, CH)
+    cmask = cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    x = _load_x(x_rows + cols[None, :], mask, EVICT)
+    y = _saturate(x, _recip(s)[:, None], FP8_MAX).to(data_ptr.dtype.element_ty)
+    tl.store(data_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
+    if TILE_GROUP:
+        y_t = _saturate(tl.trans(x), _recip(s)[None, :], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], y_t,
+                 mask=cmask[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _t_second_row_slab(x_ptr, r0, pid_m, pid_k, cols, cmask, data_ptr, scale_ptr, data_t_ptr, M, K, s0, s1,
+                       TILE_GROUP: tl.constexpr, FP8_MAX: tl.constexpr, B: tl.constexpr, CH: tl.constexpr,
+                       EVICT: tl.constexpr):
+    """The second walk by a ``[CH, B]`` row slab (order 1), with the row scales read back."""
+    rs = pid_m * B + r0 + tl.arange(0, CH)
+    rsmask = rs < M
+    mask = rsmask[:, None] & cmask[None, :]
+    if TILE_GROUP:
+        sc = tl.load(scale_ptr + pid_m * s0 + pid_k * s1 + rs * 0)
+    else:
+        sc = tl.load(scale_ptr + rs * s0 + pid_k * s1, mask=rsmask, other=1.0)
+    x = _load_x(x_ptr + rs.to(tl.int64)[:, None] * K + cols[None, :], mask, EVICT)
+    y = _saturate(x, _recip(sc)[:, None], FP8_MAX).to(data_ptr.dtype.element_ty)
+    tl.store(data_ptr + rs.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
+    if TILE_GROUP:
+        y_t = _saturate(tl.trans(x), _recip(sc)[None, :], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rs[None, :], y_t,
+                 mask=cmask[:, None] & rsmask[None, :])
+
+
+@triton.jit
 def _quant_t_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s0, s1, t0, t1,
                     TILE_GROUP: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
                     POW2: tl.constexpr, B: tl.constexpr, CH: tl.constexpr, ORDER: tl.constexpr,
-                    EVICT: tl.constexpr):
+                    EVICT: tl.constexpr, UNROLL: tl.constexpr = 0):
     # One B x B tile (B = 128, the group length along both axes) in two walks of [B, CH] column
     # slabs, so no thread holds the whole tile. 1x128 (not TILE_GROUP): a slab holds whole
     # columns, so the first walk casts x.T (the columns' 128x1 groups) and stores it, while the
@@ -318,6 +379,8 @@ def _quant_t_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s
     # the first walk only reduces; the second casts once and stores the bytes both ways.
     # ORDER 1: the second walk goes by [CH, B] row slabs, reading the row scales it just stored
     # (the only order the launcher allows with TILE_GROUP, see launch_quant_t).
+    # UNROLL 0: the walks unrolled (static_range), so the compiler may hoist every slab's loads
+    # at once; else loops (tl.range) unrolled UNROLL times, fewer registers live.
     # The transposed copy is always cast from the transposed fp32 slab: transposing the fp8 slab
     # (tl.trans of the cast) came out wrong for 3/8 of the bytes in several launch layouts on an
     # H200 (Triton 3.6; docs/kernels.md), while every transposed-first layout tested passed.
@@ -327,18 +390,14 @@ def _quant_t_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s
     rmask = rows < M
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
     row_bits = tl.zeros([B], dtype=tl.int32)
-    for c0 in tl.static_range(0, B, CH):
-        cols = pid_k * B + c0 + tl.arange(0, CH)
-        cmask = cols < K
-        x = _load_x(x_rows + cols[None, :], rmask[:, None] & cmask[None, :], EVICT)
-        bits = _abs_bits(x)
-        row_bits = tl.maximum(row_bits, tl.max(bits, 1))
-        if not TILE_GROUP:
-            st = _scale_of(tl.max(bits, 0).to(tl.float32, bitcast=True), INV_MAX, POW2)
-            tl.store(scale_t_ptr + cols * t0 + pid_m * t1, st, mask=cmask)
-            y_t = _saturate(tl.trans(x), _recip(st)[:, None], FP8_MAX).to(data_t_ptr.dtype.element_ty)
-            tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], y_t,
-                     mask=cmask[:, None] & rmask[None, :])
+    if UNROLL == 0:
+        for c0 in tl.static_range(0, B, CH):
+            row_bits = _t_first_slab(x_rows, rows, rmask, row_bits, c0, pid_m, pid_k, data_t_ptr, scale_t_ptr,
+                                     M, K, t0, t1, TILE_GROUP, INV_MAX, FP8_MAX, POW2, B, CH, EVICT)
+    else:
+        for c0 in tl.range(0, B, CH, loop_unroll_factor=UNROLL):
+            row_bits = _t_first_slab(x_rows, rows, rmask, row_bits, c0, pid_m, pid_k, data_t_ptr, scale_t_ptr,
+                                     M, K, t0, t1, TILE_GROUP, INV_MAX, FP8_MAX, POW2, B, CH, EVICT)
     if TILE_GROUP:  # every row holds the tile's maximum (the vector form, see _quant_kernel)
         row_bits = tl.maximum(row_bits, tl.max(row_bits, 0))
     s = _scale_of(row_bits.to(tl.float32, bitcast=True), INV_MAX, POW2)
@@ -349,37 +408,26 @@ def _quant_t_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s
     else:
         tl.store(scale_ptr + rows * s0 + pid_k * s1, s, mask=rmask)
     if ORDER == 0:
-        r = _recip(s)[:, None]
-        for c0 in tl.static_range(0, B, CH):
-            cols = pid_k * B + c0 + tl.arange(0, CH)
-            cmask = cols < K
-            mask = rmask[:, None] & cmask[None, :]
-            x = _load_x(x_rows + cols[None, :], mask, EVICT * 2)
-            y = _saturate(x, r, FP8_MAX).to(data_ptr.dtype.element_ty)
-            tl.store(data_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
-            if TILE_GROUP:
-                y_t = _saturate(tl.trans(x), _recip(s)[None, :], FP8_MAX).to(data_t_ptr.dtype.element_ty)
-                tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], y_t,
-                         mask=cmask[:, None] & rmask[None, :])
+        if UNROLL == 0:
+            for c0 in tl.static_range(0, B, CH):
+                _t_second_col_slab(x_rows, rows, rmask, s, c0, pid_k, data_ptr, data_t_ptr, M, K,
+                                   TILE_GROUP, FP8_MAX, B, CH, EVICT * 2)
+        else:
+            for c0 in tl.range(0, B, CH, loop_unroll_factor=UNROLL):
+                _t_second_col_slab(x_rows, rows, rmask, s, c0, pid_k, data_ptr, data_t_ptr, M, K,
+                                   TILE_GROUP, FP8_MAX, B, CH, EVICT * 2)
     else:
         tl.debug_barrier()  # the scales stored above, visible to every thread of the program
         cols = pid_k * B + tl.arange(0, B)
         cmask = cols < K
-        for r0 in tl.static_range(0, B, CH):
-            rs = pid_m * B + r0 + tl.arange(0, CH)
-            rsmask = rs < M
-            mask = rsmask[:, None] & cmask[None, :]
-            if TILE_GROUP:
-                sc = tl.load(scale_ptr + pid_m * s0 + pid_k * s1 + rs * 0)
-            else:
-                sc = tl.load(scale_ptr + rs * s0 + pid_k * s1, mask=rsmask, other=1.0)
-            x = _load_x(x_ptr + rs.to(tl.int64)[:, None] * K + cols[None, :], mask, EVICT * 2)
-            y = _saturate(x, _recip(sc)[:, None], FP8_MAX).to(data_ptr.dtype.element_ty)
-            tl.store(data_ptr + rs.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
-            if TILE_GROUP:
-                y_t = _saturate(tl.trans(x), _recip(sc)[None, :], FP8_MAX).to(data_t_ptr.dtype.element_ty)
-                tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rs[None, :], y_t,
-                         mask=cmask[:, None] & rsmask[None, :])
+        if UNROLL == 0:
+            for r0 in tl.static_range(0, B, CH):
+                _t_second_row_slab(x_ptr, r0, pid_m, pid_k, cols, cmask, data_ptr, scale_ptr, data_t_ptr, M, K,
+                                   s0, s1, TILE_GROUP, FP8_MAX, B, CH, EVICT * 2)
+        else:
+            for r0 in tl.range(0, B, CH, loop_unroll_factor=UNROLL):
+                _t_second_row_slab(x_ptr, r0, pid_m, pid_k, cols, cmask, data_ptr, scale_ptr, data_t_ptr, M, K,
+                                   s0, s1, TILE_GROUP, FP8_MAX, B, CH, EVICT * 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,7 +546,7 @@ def launch_quant_t(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, dat
     wrap_triton(_quant_t_kernel)[grid](
         x, data, scale, data_t, scale_t, m, k, scale.stride(0), scale.stride(1), scale_t.stride(0),
         scale_t.stride(1), TILE_GROUP=tile_group, **_consts(data.dtype, pow2), B=block, CH=cfg.chunk,
-        ORDER=cfg.order, EVICT=int(cfg.evict), num_warps=cfg.warps, num_stages=cfg.stages)
+        ORDER=cfg.order, EVICT=int(cfg.evict), UNROLL=cfg.unroll, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def rowwise_tile(k: int, cfg: Config) -> tuple[int, int]:
