@@ -42,20 +42,39 @@ def build_qwen3(args, device="cpu", dtype=torch.float32):
     return Qwen3ForCausalLM(Qwen3Config(**config_kwargs(args))).to(device=device, dtype=dtype)
 
 
-def shard_2d(model, mesh, model_plan: dict, block_plan: dict) -> None:
+_SUBMESHES: dict = {}
+
+
+def submesh(mesh, name: str):
+    """``mesh[name]``, sliced once per process and reused.
+
+    torch 2.13's ``mesh["tp"]`` builds a new DeviceMesh on every call. DTensors that carry equal
+    but distinct meshes (a second model built in the same process, whose DTensor ops may also hit
+    sharding-propagation cache entries made with the first model's mesh) made a compiled layer
+    fail in inductor: ``device_mesh._get_submesh is not an OpOverload`` (docs/benchmarks.md)."""
+    root, sub = _SUBMESHES.get((id(mesh), name), (None, None))
+    if root is not mesh:
+        sub = mesh[name]
+        _SUBMESHES[(id(mesh), name)] = (mesh, sub)
+    return sub
+
+
+def shard_2d(model, mesh, model_plan: dict, block_plan: dict):
     """Sequence-parallel TP over ``mesh["tp"]`` (``model_plan`` on the model, ``block_plan`` on each
     decoder layer), then FSDP2 over ``mesh["dp"]`` per layer and at the root, fp32 masters with bf16
-    compute."""
+    compute. Returns the (tp, dp) submeshes used (``submesh``: one object each per process)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, mesh["tp"], model_plan)
+    tp_mesh, dp_mesh = submesh(mesh, "tp"), submesh(mesh, "dp")
+    parallelize_module(model, tp_mesh, model_plan)
     for layer in model.model.layers:
-        parallelize_module(layer, mesh["tp"], block_plan)
+        parallelize_module(layer, tp_mesh, block_plan)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    return tp_mesh, dp_mesh
 
 
 def model_line(args) -> str:

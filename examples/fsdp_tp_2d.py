@@ -38,7 +38,7 @@ def main():
     mesh = init_device_mesh(args.device, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     model = build_qwen3(args, device, torch.float32)  # fp32 master weights, bf16 compute
     f8.convert(model, args.recipe)  # FSDP2 fp8 all-gather on (the default)
-    shard_2d(model, mesh, *sp_plans(fp8_styles=True))
+    tp_mesh, dp_mesh = shard_2d(model, mesh, *sp_plans(fp8_styles=True))
     head_norms = [p for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
     positions = torch.arange(args.seq, device=device)[None]
@@ -49,18 +49,18 @@ def main():
         loss = model(input_ids=ids, labels=ids, position_ids=positions, attention_mask={"full_attention": None}).loss
         loss.backward()
         for p in head_norms:  # per-head norms inside the TP region: their gradients are partial over tp
-            dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=mesh["tp"].get_group())
+            dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=tp_mesh.get_group())
         opt.step()
         opt.zero_grad(set_to_none=True)
         mean = loss.detach().float().clone()
-        dist.all_reduce(mean, group=mesh["dp"].get_group())
-        mean = mean.item() / mesh["dp"].size()
+        dist.all_reduce(mean, group=dp_mesh.get_group())
+        mean = mean.item() / dp_mesh.size()
         if not math.isfinite(mean):
             raise SystemExit(f"step {step}: loss {mean}")
         if dist.get_rank() == 0:
             print(f"step {step:3d}  loss {mean:.5f}", flush=True)
     if dist.get_rank() == 0:
-        print(f"{model_line(args)}, recipe {args.recipe}, mesh dp={mesh['dp'].size()} x tp={args.tp}")
+        print(f"{model_line(args)}, recipe {args.recipe}, mesh dp={dp_mesh.size()} x tp={args.tp}")
     dist.destroy_process_group()
 
 

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import fp8func as f8
-from _common import add_model_args, config_kwargs, emit, environment, local_device, shard_2d
+from _common import add_model_args, config_kwargs, emit, environment, local_device, shard_2d, submesh
 from tp_fp8_parity import sp_plans
 
 # name -> (library, recipe, FSDP2 fp8 all-gather)
@@ -215,9 +215,9 @@ def convert(model, name: str, fp8_lm_head: bool = False) -> tuple[dict, dict]:
 def build(args, name: str, mesh, device):
     model = build_llama(args, device)
     plans = convert(model, name, args.fp8_lm_head)
+    _, dp_mesh = shard_2d(model, mesh, *plans)
     if CONFIGS[name][0] == "fp8func" and fp8func_recipe(CONFIGS[name][1]).delayed is not None:
-        f8.distributed.share_scaling_state(model, mesh["dp"])  # one state on every rank
-    shard_2d(model, mesh, *plans)
+        f8.distributed.share_scaling_state(model, dp_mesh)  # one state on every rank, FSDP2's dp mesh
     if args.compile:  # per-layer compile, FSDP2's hooks eager (the torchtitan layout)
         for layer in model.model.layers:
             layer.compile()
@@ -257,7 +257,7 @@ def prime_lazy_state(names, mesh, device) -> None:
     process would be split (and rounded) differently from the later ones, and a bitwise on/off
     comparison would compare process order, not numerics."""
     for recipe in sorted({CONFIGS[n][1] for n in names if CONFIGS[n][0] == "fp8func"}):
-        for wrap in (lambda t: t, lambda t: DTensor.from_local(t, mesh["tp"], [Replicate()], run_check=False)):
+        for wrap in (lambda t: t, lambda t: DTensor.from_local(t, submesh(mesh, "tp"), [Replicate()], run_check=False)):
             x, w = (wrap(torch.randn(32, 32, device=device, dtype=torch.bfloat16).requires_grad_()) for _ in "xw")
             r = fp8func_recipe(recipe)
             state = f8.LinearScalingState.init(r.delayed.history_len, device) if r.delayed else None
@@ -274,7 +274,7 @@ def train(args, name, mesh, device, recorder):
     """Trains configuration ``name``; returns per-step losses (mean over dp), times and bytes."""
     model, opt = build(args, name, mesh, device)
     precompute = scale_precompute(args, name)
-    dp_group, dp_rank = mesh["dp"].get_group(), mesh.get_local_rank("dp")
+    dp_group, dp_rank = submesh(mesh, "dp").get_group(), mesh.get_local_rank("dp")
     positions, mask = torch.arange(args.seq, device=device)[None], causal_mask(args, device)
     warmup = min(args.warmup, args.steps - 1)
     last_measured = min(warmup + args.bytes_steps, args.steps) - 1
@@ -299,7 +299,7 @@ def train(args, name, mesh, device, recorder):
                 gathered, fsdp_count.on = recorder.since(mark), False
             mean = loss.detach().float().clone()
             dist.all_reduce(mean, group=dp_group)
-            losses.append(mean.item() / mesh["dp"].size())
+            losses.append(mean.item() / submesh(mesh, "dp").size())
             if not math.isfinite(losses[-1]):
                 break  # every rank sees the same mean: all stop here
     del model, opt
@@ -339,7 +339,7 @@ def run_config(args, name, mesh, device, recorder) -> dict:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
     row.update(losses=losses, finite=bad is None, first_nonfinite_step=bad, loss_first=losses[0],
-               loss_last=losses[-1], step_s=step_s, tokens_per_s=args.batch * args.seq * mesh["dp"].size() / step_s,
+               loss_last=losses[-1], step_s=step_s, tokens_per_s=args.batch * args.seq * submesh(mesh, "dp").size() / step_s,
                peak_mem_gib=peak.item() / 2**30 if device.type == "cuda" else None, collective_bytes=gathered,
                gather_bytes_dp=_per_step(gathered, "dp", args), gather_bytes_tp=_per_step(gathered, "tp", args),
                fsdp_gather_bytes_counted=fsdp_bytes)
@@ -433,7 +433,7 @@ def main():
                          "(sequence parallel splits the sequence evenly)")
     device = local_device(args.device)
     mesh = init_device_mesh(args.device, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
-    recorder = FlightRecorderBytes(backend, {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group()})
+    recorder = FlightRecorderBytes(backend, {"dp": submesh(mesh, "dp").get_group(), "tp": submesh(mesh, "tp").get_group()})
     prime_lazy_state(args.configs.split(","), mesh, device)
     rows = []
     for name in args.configs.split(","):
@@ -459,7 +459,7 @@ def report(args, rows, world, mesh) -> None:
     except ImportError:
         ao = "not installed"
     env = environment(world, args.device) | {
-        "world size": str(world), "mesh": f"dp={mesh['dp'].size()} x tp={mesh['tp'].size()}", "torchao": ao,
+        "world size": str(world), "mesh": f"dp={submesh(mesh, 'dp').size()} x tp={submesh(mesh, 'tp').size()}", "torchao": ao,
         "transformers": transformers.__version__, "compile": str(args.compile),
         "deterministic mode": args.deterministic}
     bf16 = next((r["tokens_per_s"] for r in rows if r["config"] == "bf16" and "tokens_per_s" in r), None)

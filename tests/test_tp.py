@@ -209,13 +209,14 @@ def _fsdp_tp(rank, world_size, recipe, fp8_gather, steps, sp):
     two_d = world_size == 4
     mesh = init_device_mesh("cpu", (2, 2) if two_d else (1,), mesh_dim_names=("dp", "tp") if two_d else ("dp",))
     dp_mesh = mesh["dp"]
+    tp_mesh = mesh["tp"] if two_d else None  # sliced once: torch 2.13 builds a new mesh per mesh["tp"]
     model = tiny_qwen3()
     f8.convert(model, recipe, fsdp_fp8_all_gather=fp8_gather)
     if two_d and sp:
         model_plan, block_plan = qwen_sp_plans(fp8_styles=True)
-        parallelize_module(model, mesh["tp"], model_plan)
+        parallelize_module(model, tp_mesh, model_plan)
     for layer in model.model.layers if two_d else ():
-        parallelize_module(layer, mesh["tp"], block_plan if sp else QWEN_TP_PLAN)
+        parallelize_module(layer, tp_mesh, block_plan if sp else QWEN_TP_PLAN)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
