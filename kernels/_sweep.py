@@ -31,7 +31,7 @@ TILES_T = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 64, 8), 
 # rows; 128x128 groups take order 1 only: order 0 was miscompiled there, see launch_quant_t)
 BLOCK_T = [C(128, 128, w, chunk=ch, order=o, evict=e) for ch in (16, 32, 64) for w in (2, 4, 8)
            for o in (0, 1) for e in (False, True)]
-# the same walks as loops (Config.unroll): fewer registers live, more programs per SM
+# the same walks as tl.range loops (Config.unroll)
 BLOCK_T_LOOP = [dataclasses.replace(c, unroll=u) for c in BLOCK_T for u in (1, 2) if c.order == 1 and c.chunk * u < 128]
 CANDIDATES: dict[str, list[Config]] = {
     "amax_flat": [C(1, bk, w, st, programs=p) for bk, w in [(4096, 4), (8192, 8), (16384, 16)]
