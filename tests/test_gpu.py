@@ -219,3 +219,45 @@ def test_linear_fast_accum_on_gpu_stays_close_to_emulated():
             runs.append((y, xx.grad, ww.grad))
         for hw, em in zip(*runs):
             assert f8.sqnr(em.double(), hw.double()) > 40, (name, f8.sqnr(em.double(), hw.double()))
+
+
+def _six_steps(recipe: str, mode: str):
+    """Outputs and gradients of 6 fwd+bwd steps of a compiled Fp8Linear (fresh, seeded)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 384, bias=False, device="cuda", dtype=torch.bfloat16)
+    mod = f8.nn.Fp8Linear.from_linear(lin, f8.Recipe.from_name(recipe), fsdp_fp8_all_gather=False)
+    cm = torch.compile(mod, mode=mode)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    outs = []
+    for _ in range(6):
+        torch.compiler.cudagraph_mark_step_begin()
+        x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+        mod.weight.grad = None
+        y = cm(x)
+        y.backward(torch.randn(512, 384, device="cuda", dtype=torch.bfloat16, generator=g))
+        outs.append((y.detach().clone(), x.grad.clone(), mod.weight.grad.clone()))
+    torch.compiler.reset()
+    return outs
+
+
+# cudagraph trees capture some graphs empty here (torch's UserWarning; the replays still run them)
+EMPTY_GRAPH = "ignore:The CUDA Graph is empty:UserWarning"
+
+
+@pytest.mark.filterwarnings(EMPTY_GRAPH)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_linear_under_cuda_graphs_is_bitwise_the_default_compile(recipe):
+    """torch.compile(mode="reduce-overhead") (CUDA graphs) replays the same kernels: same bits."""
+    for a, b in zip(_six_steps(recipe, "default"), _six_steps(recipe, "reduce-overhead")):
+        for t, u in zip(a, b):
+            assert torch.equal(t, u)
+
+
+@pytest.mark.xfail(reason="delayed scaling rebinds its state buffers to the step's outputs, which CUDA graphs "
+                          "overwrite on the next replay (docs/delayed.md, 'Not yet'); an XPASS says it now works",
+                   strict=False)
+@pytest.mark.filterwarnings(EMPTY_GRAPH)
+def test_delayed_linear_under_cuda_graphs_known_gap():
+    for a, b in zip(_six_steps("delayed", "default"), _six_steps("delayed", "reduce-overhead")):
+        for t, u in zip(a, b):
+            assert torch.equal(t, u)
