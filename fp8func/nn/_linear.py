@@ -153,29 +153,18 @@ class Fp8Linear(nn.Linear):
             if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
                 self._hook_grad_output_state()  # (under torch.func the caller threads the state)
             state = self.scaling_state()
-            in_place = self.training and torch.compiler.is_compiling()
-            if in_place:  # snapshots the compiled backward saves, never recomputes (see _snapshot)
-                state = state._replace(input=ScalingState(*map(_snapshot, state.input)),
-                                       weight=ScalingState(*map(_snapshot, state.weight)))
             if self.training and not torch.compiler.is_compiling():
                 replayed = self._checkpoint_state(state)
                 if replayed is not None:  # a recomputation: the forward's own state, nothing recorded
                     return linear_delayed(x, w, self.bias, self.recipe, replayed, self.amax_sharding, w_casts)[0]
             y, new = linear_delayed(x, w, self.bias, self.recipe, state, self.amax_sharding, w_casts)
             if self.training:
-                # Eager: rebind, not copy_ (autograd saved the old tensors for the backward).
-                # Compiled: copy_ into the buffers (CUDA graphs keep their addresses; rebinding to
-                # graph outputs broke mode="reduce-overhead"), which is safe only because the
-                # forward read the state through _snapshot: a compiled backward that recomputed a
-                # scale from the buffer itself read the new state (a 150x wrong grad, 32f1cfa).
+                # Rebind, not copy_: the backward may read the old tensors (a compiled backward
+                # recomputes cheap ops from the forward's inputs), so they must stay unchanged.
                 recorded = self._STATE[:2] if self.recipe.delayed.weight else self._STATE[:1]
                 for name, st in zip(recorded, new[:2]):
-                    if in_place:
-                        getattr(self, f"fp8_{name}_history").copy_(st.amax_history.detach())
-                        getattr(self, f"fp8_{name}_scale").copy_(st.scale.detach())
-                    else:
-                        setattr(self, f"fp8_{name}_history", st.amax_history.detach())
-                        setattr(self, f"fp8_{name}_scale", st.scale.detach())
+                    setattr(self, f"fp8_{name}_history", st.amax_history.detach())
+                    setattr(self, f"fp8_{name}_scale", st.scale.detach())
             return y
         if w_casts is None and x_casts is None:
             return linear(x, w, self.bias, self.recipe)
@@ -218,19 +207,6 @@ def _check_fp8_weights(recipe: Recipe, fsdp_fp8_all_gather: bool) -> None:
         raise ValueError("fp8func: fp8_weights=True keeps no high-precision weight to all-gather, so it implies "
                          "the fp8 all-gather; drop fsdp_fp8_all_gather=False (or set fp8_weights=False).")
 
-
-
-@torch.library.custom_op("fp8func::snapshot", mutates_args=())
-def _snapshot(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` as an opaque op: AOT autograd's partitioner recomputes only allow-listed
-    (cheap, fusible) ops in the backward, so it saves this output instead of re-reading ``t``,
-    which the compiled forward then updates in place."""
-    return t.clone()
-
-
-@_snapshot.register_fake
-def _(t):
-    return torch.empty_like(t)
 
 
 def _apply_state_grad(t: torch.Tensor) -> None:
