@@ -330,19 +330,27 @@ class _Block(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _train_checkpointed(checkpoint_kwargs, recipe="delayed", steps=4):
-    """Two blocks of delayed-scaling layers, each block checkpointed (or not: None)."""
+def _train_checkpointed(checkpoint_kwargs, recipe="delayed", steps=4, compiled=False):
+    """Two blocks of delayed-scaling layers, each block checkpointed (or not: None); ``compiled``:
+    each block's checkpoint call compiled around (``torch.compile(lambda h: checkpoint(...))``)."""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
+    torch._dynamo.reset()
     model = f8.convert(nn.Sequential(_Block(), _Block()), recipe)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if checkpoint_kwargs is None:
+        fns = list(model)
+    else:
+        fns = [lambda h, b=b: checkpoint(b, h, **checkpoint_kwargs) for b in model]
+    if compiled:
+        fns = [torch.compile(fn) for fn in fns]
     losses = []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         h = (torch.randn(8, 64, generator=g) * (step + 1)).requires_grad_()  # reentrant checkpoint wants one
-        for block in model:
-            h = block(h) if checkpoint_kwargs is None else checkpoint(block, h, **checkpoint_kwargs)
+        for fn in fns:
+            h = fn(h)
         loss = (h * torch.randn(h.shape, generator=g)).sum()
         loss.backward()
         opt.step()
@@ -365,3 +373,14 @@ def test_activation_checkpointing_replays_the_forward_state():
     for kwargs in ({"use_reentrant": False}, {"use_reentrant": True}):
         with pytest.raises(RuntimeError, match=r"context_fn=fp8func.nn.checkpoint_context"):
             _train_checkpointed(kwargs, steps=1)
+
+
+def test_activation_checkpointing_compiled_around_is_bitwise_eager():
+    """docs/delayed.md's recipe: compile *around* the checkpoint. Bitwise the eager run without
+    checkpointing (losses, every state buffer). Guards the state update: an in-place update under
+    compile (session 9, for CUDA graphs) made dynamo trace the checkpoint and reject the context_fn."""
+    plain = _train_checkpointed(None, steps=3)
+    compiled = _train_checkpointed({"use_reentrant": False, "context_fn": f8.nn.checkpoint_context}, steps=3,
+                                   compiled=True)
+    assert plain[0] == compiled[0]
+    assert all(torch.equal(plain[1][k], compiled[1][k]) for k in plain[1])
