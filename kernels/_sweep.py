@@ -33,26 +33,29 @@ BLOCK_T = [C(128, 128, w, chunk=ch, order=o, evict=e) for ch in (16, 32, 64) for
            for o in (0, 1) for e in (False, True)]
 # the same walks as tl.range loops (Config.unroll)
 BLOCK_T_LOOP = [dataclasses.replace(c, unroll=u) for c in BLOCK_T for u in (1, 2) if c.order == 1 and c.chunk * u < 128]
+# the transposing routes again with the transposed copy made from the raw (bf16) tile (Config.raw_t)
+RAW = lambda cands: cands + [dataclasses.replace(c, raw_t=True) for c in cands]  # noqa: E731
 CANDIDATES: dict[str, list[Config]] = {
-    "amax_flat": [C(1, bk, w, st, programs=p) for bk, w in [(4096, 4), (8192, 8), (16384, 16)]
+    "amax_flat": [C(1, bk, w, st, programs=p) for bk, w in [(4096, 4), (8192, 8), (16384, 16), (16384, 8), (8192, 2),
+                                                             (16384, 4)]
                   for p in (528, 1056, 2112) for st in (1, 3)],
     "amax_2d": [C(bm, bk, w, st, m_chunk=mc) for bm, bk, w in [(32, 256, 8), (64, 128, 8), (16, 512, 8), (32, 128, 4),
                                                                 (64, 256, 8), (8, 1024, 4), (16, 1024, 8),
                                                                 (8, 2048, 8), (4, 4096, 8), (16, 2048, 16)]
                 for mc in (64, 128, 256, 1024) for st in (1, 3)],
     "cast": [C(bm, bk, w) for bm, bk, w in TILES],
-    "cast_t": [C(bm, bk, w) for bm, bk, w in TILES_T],
+    "cast_t": RAW([C(bm, bk, w) for bm, bk, w in TILES_T]),
     "cast_amax": [C(bm, bk, w, amax_out=a) for bm, bk, w in TILES for a in (1, 2, 3)],
-    "cast_amax_t": [C(bm, bk, w, amax_out=a) for bm, bk, w in TILES_T + [(32, 128, 4), (64, 128, 8), (128, 256, 8)]
-                    for a in (1, 2, 3)],
+    "cast_amax_t": RAW([C(bm, bk, w, amax_out=a) for bm, bk, w in TILES_T + [(32, 128, 4), (64, 128, 8), (128, 256, 8)]
+                        for a in (1, 2, 3)]),
     "cast_block": [C(bm, 128, w) for bm in (16, 32, 64) for w in (4, 8)],
-    "cast_block_t": [C(bm, bk, w) for bm, bk, w in [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 128, 8),
-                                                    (128, 64, 4), (64, 64, 4)]],
+    "cast_block_t": RAW([C(bm, bk, w) for bm, bk, w in [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 128, 8),
+                                                        (128, 64, 4), (64, 64, 4)]]),
     "rowwise": [C(bm, 0, w) for bm in (4096, 8192, 16384) for w in (4, 8, 16)],
     "block_1x128": [C(bm, 128, w) for bm in (16, 32, 64) for w in (4, 8)],
-    "block_1x128_t": [C(128, 128, w) for w in (4, 8, 16)] + BLOCK_T + BLOCK_T_LOOP,
+    "block_1x128_t": RAW([C(128, 128, w) for w in (4, 8, 16)] + BLOCK_T + BLOCK_T_LOOP),
     "block_128": [C(128, 128, w) for w in (4, 8, 16)],
-    "block_128_t": [C(128, 128, w) for w in (4, 8, 16)] + [c for c in BLOCK_T if c.order == 1] + BLOCK_T_LOOP,
+    "block_128_t": RAW([C(128, 128, w) for w in (4, 8, 16)] + [c for c in BLOCK_T if c.order == 1] + BLOCK_T_LOOP),
 }
 # route: (spec, op, transpose); "amax_2d" is timed inside rowwise+T (its only fused user).
 ROUTES = {
@@ -91,7 +94,7 @@ def _row(r: dict) -> str:
     c = r["config"]
     return (f"| {r['route']} | {r['shape'][0]}x{r['shape'][1]} | bm={c['bm']} bk={c['bk']} w={c['warps']} "
             f"st={c['stages']} p={c['programs']} mc={c['m_chunk']} a={c['amax_out']} ch={c['chunk']} o={c['order']} "
-            f"e={int(c['evict'])} u={c.get('unroll', 0)} | {r['bitwise']} | {r['ms']:.4f} | "
+            f"e={int(c['evict'])} u={c.get('unroll', 0)} r={int(c.get('raw_t', False))} | {r['bitwise']} | {r['ms']:.4f} | "
             f"{r['gbps']:.0f} |")
 
 

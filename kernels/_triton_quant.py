@@ -58,6 +58,9 @@ class Config:
     second's evict-first. ``unroll``: 0 unrolls the walks (``tl.static_range``), else they are
     ``tl.range`` loops unrolled ``unroll`` times (1x128+T under ncu: the same registers and
     occupancy, 3x fewer shared-memory stores and 4x fewer bank conflicts, 1.07x faster).
+    ``raw_t``: the transposed copy is cast from the loaded tile transposed in the input dtype and
+    upcast afterwards (bf16 crosses shared memory in 2 bytes, not 4; the upcast is exact, so the
+    bits are the same), instead of from the transposed fp32 tile.
     """
 
     bm: int
@@ -71,17 +74,18 @@ class Config:
     order: int = 0
     evict: bool = False
     unroll: int = 0
+    raw_t: bool = False
 
 
 CONFIGS: dict[str, Config] = {  # winners of the sweep on an H200 (docs/kernels.md)
-    "amax_flat": Config(bm=1, bk=4096, warps=4, stages=1, programs=1056),
+    "amax_flat": Config(bm=1, bk=16384, warps=16, stages=1, programs=528),
     "amax_2d": Config(bm=8, bk=1024, warps=4, stages=1, m_chunk=128),
     "cast": Config(bm=8, bk=1024, warps=8),
     "cast_t": Config(bm=64, bk=256, warps=8),
     "cast_amax": Config(bm=32, bk=256, warps=8, amax_out=1),
-    "cast_amax_t": Config(bm=32, bk=128, warps=4, amax_out=1),
+    "cast_amax_t": Config(bm=64, bk=128, warps=4, amax_out=1, raw_t=True),
     "cast_block": Config(bm=16, bk=128, warps=4),
-    "cast_block_t": Config(bm=64, bk=128, warps=4),
+    "cast_block_t": Config(bm=64, bk=64, warps=4, raw_t=True),
     "rowwise": Config(bm=4096, bk=0, warps=4),
     "block_1x128": Config(bm=16, bk=128, warps=4),
     "block_1x128_t": Config(bm=128, bk=128, warps=2, chunk=64, order=1, evict=True, unroll=1),
@@ -139,6 +143,17 @@ def _saturate(x, recip, FP8_MAX: tl.constexpr):
     return tl.clamp(x * recip, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
 
 
+@triton.jit
+def _transposed(x, x_raw, RAW_T: tl.constexpr):
+    """``x.T`` in fp32: the fp32 tile transposed, or with ``RAW_T`` the raw (input dtype) tile
+    transposed and then upcast (the same values: the upcast is exact; ``Config.raw_t``)."""
+    if RAW_T:
+        x_t = tl.trans(x_raw).to(tl.float32)
+    else:
+        x_t = tl.trans(x)
+    return x_t
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels.
 
@@ -189,7 +204,7 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
                  FROM_AMAX: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
                  POW2: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                  NPART: tl.constexpr = 0, NPART_P2: tl.constexpr = 1, amax_ptr=0,
-                 AMAX_OUT: tl.constexpr = 0):
+                 AMAX_OUT: tl.constexpr = 0, RAW_T: tl.constexpr = False):
     # data[m, k] uses sa[(m // A_M) * sa0 + (k // A_K) * sa1], one value per tile row (the
     # launcher keeps a tile inside one K group); data_t[k, m] uses sb[(k // B_K) * sb0 +
     # (m // B_M) * sb1], one value per tile column. Whole-dimension groups have stride 0.
@@ -199,6 +214,7 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
     # AMAX_OUT: each program also stores max |x| of its tile (int32 bits, NaN canonical) for the
     # caller to reduce: 1 one value at amax_ptr[p], 2 one per tile row at amax_ptr[p * BM + r],
     # 3 one per tile column at amax_ptr[p * BK + c], with p = pid_m * num_programs(1) + pid_k.
+    # RAW_T: the transposed copy from the raw tile transposed, then upcast (Config.raw_t).
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -206,8 +222,8 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
     rmask = rows < M
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x_raw = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    x = x_raw.to(tl.float32)
     if AMAX_OUT > 0:
         out = amax_ptr.to(tl.pointer_type(tl.int32))
         p = (pid_m * tl.num_programs(1) + pid_k).to(tl.int64)
@@ -247,8 +263,8 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
             sb = _scale_of(sb, INV_MAX, POW2)
             if pid_m == 0:
                 tl.store(sb_out_ptr + b_idx, sb, mask=cmask)
-        # cast from the transposed fp32 tile, never by transposing the fp8 one (see _quant_t_kernel)
-        y_t = _saturate(tl.trans(x), _recip(sb)[:, None], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        # cast from the transposed tile, never by transposing the fp8 one (see _quant_t_kernel)
+        y_t = _saturate(_transposed(x, x_raw, RAW_T), _recip(sb)[:, None], FP8_MAX).to(data_t_ptr.dtype.element_ty)
         tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], y_t,
                  mask=cmask[:, None] & rmask[None, :])
 
@@ -256,7 +272,8 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
 @triton.jit
 def _quant_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s0, s1, t0, t1,
                   TILE_GROUP: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
-                  POW2: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                  POW2: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                  RAW_T: tl.constexpr = False):
     # TILE_GROUP: the tile is one group (128x128): scale[pid_m, pid_k] (and scale_t[pid_k, pid_m]).
     # Else each tile row is one group (a whole row, or 1x128): scale[m, pid_k]; with TRANSPOSE
     # (BM == 128) each tile column is one group of x.T too: scale_t[k, pid_m].
@@ -267,8 +284,8 @@ def _quant_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s0,
     rmask = rows < M
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x_raw = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    x = x_raw.to(tl.float32)
     bits = _abs_bits(x)
     # 128x128 takes the row-group code with every row's (and column's) amax raised to the tile's:
     # a scale computed as a scalar and broadcast made Triton 3.6 miscompile the transposed fp8
@@ -293,38 +310,40 @@ def _quant_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s0,
             tl.store(scale_t_ptr + pid_k * t0 + pid_m * t1 + cols * 0, st, mask=cols == pid_k * BK)
         else:
             tl.store(scale_t_ptr + cols * t0 + pid_m * t1, st, mask=cmask)
-        y_t = _saturate(tl.trans(x), _recip(st)[:, None], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        y_t = _saturate(_transposed(x, x_raw, RAW_T), _recip(st)[:, None], FP8_MAX).to(data_t_ptr.dtype.element_ty)
         tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], y_t,
                  mask=cmask[:, None] & rmask[None, :])
 
 
 @triton.jit
 def _load_x(ptrs, mask, EVICT: tl.constexpr):
-    """``x`` as fp32 (masked-off elements 0), with an L2 eviction hint: 1 evict-last, 2 evict-first."""
+    """``x`` in its own dtype (masked-off elements 0), with an L2 eviction hint: 1 evict-last,
+    2 evict-first."""
     if EVICT == 1:
         x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
     elif EVICT == 2:
         x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
     else:
         x = tl.load(ptrs, mask=mask, other=0.0)
-    return x.to(tl.float32)
+    return x
 
 
 @triton.jit
 def _t_first_slab(x_rows, rows, rmask, row_bits, c0, pid_m, pid_k, data_t_ptr, scale_t_ptr, M, K, t0, t1,
                   TILE_GROUP: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
-                  B: tl.constexpr, CH: tl.constexpr, EVICT: tl.constexpr):
+                  B: tl.constexpr, CH: tl.constexpr, EVICT: tl.constexpr, RAW_T: tl.constexpr):
     """``_quant_t_kernel``'s first walk, one ``[B, CH]`` column slab: the rows' running maxima,
     and for 1x128 groups the slab's column scales and its transposed cast (the columns' groups)."""
     cols = pid_k * B + c0 + tl.arange(0, CH)
     cmask = cols < K
-    x = _load_x(x_rows + cols[None, :], rmask[:, None] & cmask[None, :], EVICT)
+    x_raw = _load_x(x_rows + cols[None, :], rmask[:, None] & cmask[None, :], EVICT)
+    x = x_raw.to(tl.float32)
     bits = _abs_bits(x)
     row_bits = tl.maximum(row_bits, tl.max(bits, 1))
     if not TILE_GROUP:
         st = _scale_of(tl.max(bits, 0).to(tl.float32, bitcast=True), INV_MAX, POW2)
         tl.store(scale_t_ptr + cols * t0 + pid_m * t1, st, mask=cmask)
-        y_t = _saturate(tl.trans(x), _recip(st)[:, None], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        y_t = _saturate(_transposed(x, x_raw, RAW_T), _recip(st)[:, None], FP8_MAX).to(data_t_ptr.dtype.element_ty)
         tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], y_t,
                  mask=cmask[:, None] & rmask[None, :])
     return row_bits
@@ -333,16 +352,17 @@ def _t_first_slab(x_rows, rows, rmask, row_bits, c0, pid_m, pid_k, data_t_ptr, s
 @triton.jit
 def _t_second_col_slab(x_rows, rows, rmask, s, c0, pid_k, data_ptr, data_t_ptr, M, K,
                        TILE_GROUP: tl.constexpr, FP8_MAX: tl.constexpr, B: tl.constexpr, CH: tl.constexpr,
-                       EVICT: tl.constexpr):
+                       EVICT: tl.constexpr, RAW_T: tl.constexpr):
     """The second walk by a ``[B, CH]`` column slab (order 0): the rows' cast (and 128x128's transposed one)."""
     cols = pid_k * B + c0 + tl.arange(0, CH)
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
-    x = _load_x(x_rows + cols[None, :], mask, EVICT)
+    x_raw = _load_x(x_rows + cols[None, :], mask, EVICT)
+    x = x_raw.to(tl.float32)
     y = _saturate(x, _recip(s)[:, None], FP8_MAX).to(data_ptr.dtype.element_ty)
     tl.store(data_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
     if TILE_GROUP:
-        y_t = _saturate(tl.trans(x), _recip(s)[None, :], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        y_t = _saturate(_transposed(x, x_raw, RAW_T), _recip(s)[None, :], FP8_MAX).to(data_t_ptr.dtype.element_ty)
         tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], y_t,
                  mask=cmask[:, None] & rmask[None, :])
 
@@ -350,7 +370,7 @@ def _t_second_col_slab(x_rows, rows, rmask, s, c0, pid_k, data_ptr, data_t_ptr, 
 @triton.jit
 def _t_second_row_slab(x_ptr, r0, pid_m, pid_k, cols, cmask, data_ptr, scale_ptr, data_t_ptr, M, K, s0, s1,
                        TILE_GROUP: tl.constexpr, FP8_MAX: tl.constexpr, B: tl.constexpr, CH: tl.constexpr,
-                       EVICT: tl.constexpr):
+                       EVICT: tl.constexpr, RAW_T: tl.constexpr):
     """The second walk by a ``[CH, B]`` row slab (order 1), with the row scales read back."""
     rs = pid_m * B + r0 + tl.arange(0, CH)
     rsmask = rs < M
@@ -359,11 +379,12 @@ def _t_second_row_slab(x_ptr, r0, pid_m, pid_k, cols, cmask, data_ptr, scale_ptr
         sc = tl.load(scale_ptr + pid_m * s0 + pid_k * s1 + rs * 0)
     else:
         sc = tl.load(scale_ptr + rs * s0 + pid_k * s1, mask=rsmask, other=1.0)
-    x = _load_x(x_ptr + rs.to(tl.int64)[:, None] * K + cols[None, :], mask, EVICT)
+    x_raw = _load_x(x_ptr + rs.to(tl.int64)[:, None] * K + cols[None, :], mask, EVICT)
+    x = x_raw.to(tl.float32)
     y = _saturate(x, _recip(sc)[:, None], FP8_MAX).to(data_ptr.dtype.element_ty)
     tl.store(data_ptr + rs.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
     if TILE_GROUP:
-        y_t = _saturate(tl.trans(x), _recip(sc)[None, :], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        y_t = _saturate(_transposed(x, x_raw, RAW_T), _recip(sc)[None, :], FP8_MAX).to(data_t_ptr.dtype.element_ty)
         tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rs[None, :], y_t,
                  mask=cmask[:, None] & rsmask[None, :])
 
@@ -372,7 +393,7 @@ def _t_second_row_slab(x_ptr, r0, pid_m, pid_k, cols, cmask, data_ptr, scale_ptr
 def _quant_t_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s0, s1, t0, t1,
                     TILE_GROUP: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
                     POW2: tl.constexpr, B: tl.constexpr, CH: tl.constexpr, ORDER: tl.constexpr,
-                    EVICT: tl.constexpr, UNROLL: tl.constexpr = 0):
+                    EVICT: tl.constexpr, UNROLL: tl.constexpr = 0, RAW_T: tl.constexpr = False):
     # One B x B tile (B = 128, the group length along both axes) in two walks of [B, CH] column
     # slabs, so no thread holds the whole tile. 1x128 (not TILE_GROUP): a slab holds whole
     # columns, so the first walk casts x.T (the columns' 128x1 groups) and stores it, while the
@@ -394,11 +415,11 @@ def _quant_t_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s
     if UNROLL == 0:
         for c0 in tl.static_range(0, B, CH):
             row_bits = _t_first_slab(x_rows, rows, rmask, row_bits, c0, pid_m, pid_k, data_t_ptr, scale_t_ptr,
-                                     M, K, t0, t1, TILE_GROUP, INV_MAX, FP8_MAX, POW2, B, CH, EVICT)
+                                     M, K, t0, t1, TILE_GROUP, INV_MAX, FP8_MAX, POW2, B, CH, EVICT, RAW_T)
     else:
         for c0 in tl.range(0, B, CH, loop_unroll_factor=UNROLL):
             row_bits = _t_first_slab(x_rows, rows, rmask, row_bits, c0, pid_m, pid_k, data_t_ptr, scale_t_ptr,
-                                     M, K, t0, t1, TILE_GROUP, INV_MAX, FP8_MAX, POW2, B, CH, EVICT)
+                                     M, K, t0, t1, TILE_GROUP, INV_MAX, FP8_MAX, POW2, B, CH, EVICT, RAW_T)
     if TILE_GROUP:  # every row holds the tile's maximum (the vector form, see _quant_kernel)
         row_bits = tl.maximum(row_bits, tl.max(row_bits, 0))
     s = _scale_of(row_bits.to(tl.float32, bitcast=True), INV_MAX, POW2)
@@ -412,11 +433,11 @@ def _quant_t_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s
         if UNROLL == 0:
             for c0 in tl.static_range(0, B, CH):
                 _t_second_col_slab(x_rows, rows, rmask, s, c0, pid_k, data_ptr, data_t_ptr, M, K,
-                                   TILE_GROUP, FP8_MAX, B, CH, EVICT * 2)
+                                   TILE_GROUP, FP8_MAX, B, CH, EVICT * 2, RAW_T)
         else:
             for c0 in tl.range(0, B, CH, loop_unroll_factor=UNROLL):
                 _t_second_col_slab(x_rows, rows, rmask, s, c0, pid_k, data_ptr, data_t_ptr, M, K,
-                                   TILE_GROUP, FP8_MAX, B, CH, EVICT * 2)
+                                   TILE_GROUP, FP8_MAX, B, CH, EVICT * 2, RAW_T)
     else:
         tl.debug_barrier()  # the scales stored above, visible to every thread of the program
         cols = pid_k * B + tl.arange(0, B)
@@ -424,11 +445,11 @@ def _quant_t_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s
         if UNROLL == 0:
             for r0 in tl.static_range(0, B, CH):
                 _t_second_row_slab(x_ptr, r0, pid_m, pid_k, cols, cmask, data_ptr, scale_ptr, data_t_ptr, M, K,
-                                   s0, s1, TILE_GROUP, FP8_MAX, B, CH, EVICT * 2)
+                                   s0, s1, TILE_GROUP, FP8_MAX, B, CH, EVICT * 2, RAW_T)
         else:
             for r0 in tl.range(0, B, CH, loop_unroll_factor=UNROLL):
                 _t_second_row_slab(x_ptr, r0, pid_m, pid_k, cols, cmask, data_ptr, scale_ptr, data_t_ptr, M, K,
-                                   s0, s1, TILE_GROUP, FP8_MAX, B, CH, EVICT * 2)
+                                   s0, s1, TILE_GROUP, FP8_MAX, B, CH, EVICT * 2, RAW_T)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,7 +522,7 @@ def launch_cast(x: torch.Tensor, data: torch.Tensor, sa: torch.Tensor, data_t: t
         **_consts(data.dtype, pow2), TRANSPOSE=transpose, BM=cfg.bm, BK=cfg.bk,
         NPART=partials, NPART_P2=triton.next_power_of_2(max(partials, 1)),
         amax_ptr=sa if amax_out is None else amax_out, AMAX_OUT=0 if amax_out is None else cfg.amax_out,
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        RAW_T=cfg.raw_t and transpose, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def cast_partials(x: torch.Tensor, cfg: Config) -> int:
@@ -524,7 +545,7 @@ def launch_quant(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, data_
     wrap_triton(_quant_kernel)[grid](
         x, data, scale, data_t if transpose else data, t, m, k,
         scale.stride(0), scale.stride(1), t.stride(0), t.stride(1), TILE_GROUP=tile_group,
-        **_consts(data.dtype, pow2), TRANSPOSE=transpose, BM=bm, BK=bk,
+        **_consts(data.dtype, pow2), TRANSPOSE=transpose, BM=bm, BK=bk, RAW_T=cfg.raw_t and transpose,
         num_warps=cfg.warps, num_stages=cfg.stages)
 
 
@@ -547,7 +568,8 @@ def launch_quant_t(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, dat
     wrap_triton(_quant_t_kernel)[grid](
         x, data, scale, data_t, scale_t, m, k, scale.stride(0), scale.stride(1), scale_t.stride(0),
         scale_t.stride(1), TILE_GROUP=tile_group, **_consts(data.dtype, pow2), B=block, CH=cfg.chunk,
-        ORDER=cfg.order, EVICT=int(cfg.evict), UNROLL=cfg.unroll, num_warps=cfg.warps, num_stages=cfg.stages)
+        ORDER=cfg.order, EVICT=int(cfg.evict), UNROLL=cfg.unroll, RAW_T=cfg.raw_t, num_warps=cfg.warps,
+        num_stages=cfg.stages)
 
 
 def rowwise_tile(k: int, cfg: Config) -> tuple[int, int]:

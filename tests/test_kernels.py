@@ -291,7 +291,10 @@ BLOCK_T_LAYOUTS = [dict(chunk=0, warps=4), dict(chunk=64, order=1, evict=True, w
                    dict(chunk=16, order=1, warps=8), dict(chunk=64, order=0, warps=4),
                    dict(chunk=32, order=0, evict=True, warps=2),
                    dict(chunk=64, order=1, evict=True, warps=4, unroll=1), dict(chunk=32, order=1, warps=8, unroll=2),
-                   dict(chunk=16, order=0, warps=4, unroll=1)]
+                   dict(chunk=16, order=0, warps=4, unroll=1),
+                   # the transposed copy from the raw tile (Config.raw_t)
+                   dict(chunk=0, warps=4, raw_t=True), dict(chunk=64, order=1, evict=True, warps=2, unroll=1, raw_t=True),
+                   dict(chunk=64, order=1, evict=True, warps=4, raw_t=True), dict(chunk=32, order=0, warps=4, raw_t=True)]
 
 
 @pytest.mark.gpu
@@ -304,7 +307,8 @@ def test_triton_block_t_every_layout_bitwise_twin(g, layout, monkeypatch):
     from fp8func.kernels import _triton_quant
 
     route = "block_128_t" if g == B128 else "block_1x128_t"
-    cfg = dataclasses.replace(_triton_quant.CONFIGS[route], **{"order": 0, "evict": False, "unroll": 0, **layout})
+    cfg = dataclasses.replace(_triton_quant.CONFIGS[route], **{"order": 0, "evict": False, "unroll": 0, "raw_t": False,
+                                                               **layout})
     monkeypatch.setitem(_triton_quant.CONFIGS, route, cfg)
     if g == B128 and cfg.chunk and cfg.order == 0:  # refused: miscompiled (see launch_quant_t)
         with pytest.raises(ValueError, match="order=0"):
@@ -383,6 +387,49 @@ def test_triton_cast_bitwise_twin(g, combo, scales):
         assert_bitwise(got[0], want[0], f"{shape} data")
         if transpose:
             assert_bitwise(got[1], want[1], f"{shape} data_t")
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("route", ["cast_t", "cast_amax_t", "cast_block_t"])
+@pytest.mark.parametrize("raw_t", [False, True])
+@pytest.mark.parametrize("tile", [(64, 64, 4), (64, 128, 4), (64, 256, 8)],
+                         ids=lambda t: "x".join(map(str, t)))
+def test_triton_cast_transposed_every_layout_bitwise_twin(route, raw_t, tile, monkeypatch):
+    """The transposing casts (given scales, with amax, 1x128 blocks; tensorwise and row-wise
+    quantize+T take ``cast_t`` too) in the tiles the hard-coded configurations use, the
+    transposed copy made from the fp32 tile or from the raw one (``Config.raw_t``)."""
+    import dataclasses
+
+    from fp8func.kernels import _triton_quant
+
+    bm, bk, warps = tile
+    if route == "cast_block_t" and (128 % bm or 128 % bk):
+        pytest.skip(f"{bm}x{bk} tiles straddle 1x128 groups (launch_cast refuses them)")
+    monkeypatch.setitem(_triton_quant.CONFIGS, route,
+                        dataclasses.replace(_triton_quant.CONFIGS[route], bm=bm, bk=bk, warps=warps, raw_t=raw_t))
+    for dtype, fp8, p2 in COMBOS[:2]:
+        for i, shape in enumerate([(37, 53), (256, 384), (1024, 4096), (4097, 640)]):
+            x = _gpu_input(shape, dtype, "specials" if i % 2 else "randn", i)
+            if route == "cast_t":
+                for g in (f8.TensorWise(), ROW):
+                    _check_quantize(x, f8.CastSpec(fp8, g, p2), True, _eager)
+                spec = f8.CastSpec(fp8)
+                s = fk.amax(x, f8.TensorWise(), impl="reference").nan_to_num(1.0) / 64 + 1e-30
+                got, want = (fk.cast(x, s, spec, transpose=True, scale_t=s, impl=impl) for impl in ("triton", "reference"))
+            elif route == "cast_amax_t":
+                spec = f8.CastSpec(fp8)
+                s = torch.full((1, 1), 0.01, device="cuda")
+                got, want = (fk.cast_amax(x, s, spec, transpose=True, impl=impl) for impl in ("triton", "reference"))
+            else:
+                if shape[0] % 128 or shape[1] % 128:
+                    continue
+                spec = f8.CastSpec(fp8, B1, p2)
+                r, r_t = fk.quantize(x, spec, transpose=True, impl="reference")
+                got, want = (fk.cast(x, r.scale / 4, spec, transpose=True, scale_t=r_t.scale / 4, impl=impl)
+                             for impl in ("triton", "reference"))
+            for name, a, b in zip(("data", "data_t", "amax"), got, want):
+                assert_bitwise(a, b, f"{route} {shape} {dtype} {name}")
 
 
 @pytest.mark.gpu

@@ -10,11 +10,18 @@ at ``tokens`` rows, calibrated on the GPU (``python -m fp8func.bench calibrate``
   amax pass a tensor-wise or column-wise scale needs (none with delayed scaling, whose one pass
   also records the amax); plus a fixed cost per extra kernel;
 * a floor per step: the host time to launch the step (autograd, the compiled graphs' launch),
-  measured on an isolated compiled layer. Small layers are host-bound, and the FP8 step, with
-  more kernels and an autograd.Function, has the higher floor.
+  measured on an isolated compiled layer, per recipe. Small layers are host-bound, and the FP8
+  step, with more kernels and an autograd.Function, has the higher floor (delayed scaling and
+  the block-scaled recipes the highest).
 
-The model only ranks the two options; ``report(model)`` shows its figures per layer, and
-``python -m fp8func.bench linear`` measures the same shapes.
+* plus, for FP8, the lead: the host time a synchronized step pays before (and between) its
+  kernels on top of the back-to-back step, the largest measured per recipe. With it the model
+  estimates the slower of the two timings of ``python -m fp8func.bench linear``, so a layer it
+  converts is not slower than bf16 in either (bf16's lead measured ~0: its median difference is
+  -0.01 ms). Without it, layers modelled at 1.06-1.17x measured 0.71-0.99x synchronized.
+
+``report(model)`` shows the modelled figures per layer; ``python -m fp8func.bench auto`` checks
+every decision against measurement (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch
 
 from .._scaling import AxisWise, BlockWise, Recipe, TensorWise
 
-__all__ = ["DeviceProfile", "PROFILES", "estimate_ms", "profile_for"]
+__all__ = ["DeviceProfile", "PROFILES", "estimate_ms", "profile_for", "recipe_kind"]
 
 
 @dataclass(frozen=True)
@@ -34,21 +41,32 @@ class DeviceProfile:
 
     name: str
     bf16_tflops: float  # dense bf16 GEMM, large square
-    fp8_tflops: dict  # scaled_mm kind -> TFLOP/s, large square
+    fp8_tflops: dict  # scaled_mm kind -> TFLOP/s, large square ("blockwise_dw": the 1x128 x 128x1 GEMM)
     bandwidth_gbs: float  # device copy bandwidth (read + write bytes / s)
     kernel_us: float  # fixed cost of one extra kernel (launch and tail)
-    floor_ms: dict  # "bf16" / "fp8" -> host time of one layer's fwd+bwd (small shapes)
+    floor_ms: dict  # "bf16" / recipe_kind -> host-bound time of one layer's fwd+bwd (small shapes)
+    lead_ms: dict  # recipe_kind -> synchronized minus back-to-back step time, the largest measured
     source: str
 
 
-# H200: `python -m fp8func.bench calibrate` and the small shapes of `... bench linear`
-# (docs/benchmarks.md), torch 2.11, 2026-11-22.
+# H200, torch 2.11: the rates by `python -m fp8func.bench calibrate` (2026-11-23 09:13 UTC;
+# "blockwise_dw": the 1x128 x 128x1 grad-weight GEMM); floors and leads by
+# `python -m fp8func.bench auto` (2026-11-23 09:05-09:07 UTC):
+# the floor per recipe is the median over the host-bound shapes (4096x4096x1024 twice,
+# 8192x4096x1024, 2048x4096x1024, 4096x2048x2048) of the slower of the synchronized and
+# back-to-back step times; the lead the largest synchronized minus back-to-back time over the
+# nine shapes with M * K * N >= 8192 * 4096 * 4096.
 PROFILES = {
-    "H200": DeviceProfile("H200", 778.5, {"tensorwise": 1229.4, "rowwise": 1290.7, "blockwise": 1085.9},
-                          4101.3, 7.1, {"bf16": 0.55, "fp8": 1.0}, "measured on an H200, torch 2.11, 2026-11-22"),
+    "H200": DeviceProfile("H200", 770.2, {"tensorwise": 1368.2, "rowwise": 1320.4, "blockwise": 1119.8,
+                                          "blockwise_dw": 853.3},
+                          4116.4, 6.9, {"bf16": 0.55, "tensorwise": 1.14, "rowwise": 1.41, "blockwise": 1.51,
+                                        "delayed": 1.49},
+                          {"tensorwise": 0.32, "rowwise": 0.40, "blockwise": 0.46, "delayed": 0.49},
+                          "measured on an H200, torch 2.11, 2026-11-23"),
 }
 PROFILES["H100"] = DeviceProfile(  # not measured yet: the H200's rates at the H100's nominal 3.35 TB/s
-    "H100", 778.5, dict(PROFILES["H200"].fp8_tflops), 4101.3 * 3.35 / 4.8, 7.1, dict(PROFILES["H200"].floor_ms),
+    "H100", PROFILES["H200"].bf16_tflops, dict(PROFILES["H200"].fp8_tflops), PROFILES["H200"].bandwidth_gbs * 3.35 / 4.8,
+    PROFILES["H200"].kernel_us, dict(PROFILES["H200"].floor_ms), dict(PROFILES["H200"].lead_ms),
     "H200 rates scaled to the H100's bandwidth (not measured)")
 
 
@@ -60,6 +78,11 @@ def profile_for(device: torch.device | str | None = None) -> DeviceProfile:
             if key in name:
                 return PROFILES[key]
     return PROFILES["H200"]
+
+
+def recipe_kind(recipe: Recipe) -> str:
+    """The floor key of ``recipe``: "delayed" for delayed scaling, else its GEMM kind."""
+    return "delayed" if recipe.delayed is not None else _gemm_kind(recipe)
 
 
 def _gemm_kind(recipe: Recipe) -> str:
@@ -79,7 +102,9 @@ def _cast_bytes_and_kernels(spec, numel: int, hp_bytes: int, two_copies: bool,
         return numel * (hp_bytes + (2 if two_copies else 1)), 2
     if isinstance(g, TensorWise):  # an amax pass, then one cast pass writing every copy
         return numel * (2 * hp_bytes + (2 if two_copies else 1)), 2
-    if isinstance(g, (AxisWise, BlockWise)):  # one fused pass per copy; a column amax for the other axis
+    if isinstance(g, BlockWise):  # one pass writes both copies (the +T block kernels)
+        return numel * (hp_bytes + (2 if two_copies else 1)), 1
+    if isinstance(g, AxisWise):  # one fused pass per copy; a column amax for the other axis
         extra = numel * (2 * hp_bytes + 1) if two_copies else 0
         return numel * (hp_bytes + 1) + extra, 3 if two_copies else 1
     return numel * (2 * hp_bytes + 1), 2
@@ -87,7 +112,8 @@ def _cast_bytes_and_kernels(spec, numel: int, hp_bytes: int, two_copies: bool,
 
 def estimate_ms(m: int, k: int, n: int, recipe: Recipe | None, profile: DeviceProfile,
                 hp_bytes: int = 2) -> float:
-    """Modelled fwd+bwd time (ms) of a ``[m, k] x [n, k]`` linear; ``recipe=None``: bf16."""
+    """Modelled fwd+bwd time (ms) of a ``[m, k] x [n, k]`` linear; ``recipe=None``: bf16. For FP8
+    the slower of a synchronized and a back-to-back step: ``max(gpu, floor) + lead``."""
     flops = 2.0 * m * k * n
     bw = profile.bandwidth_gbs * 1e9
     shapes = ((m, k, n), (m, n, k), (n, m, k))  # y, dx, dw: (rows, contraction, cols)
@@ -95,8 +121,9 @@ def estimate_ms(m: int, k: int, n: int, recipe: Recipe | None, profile: DevicePr
         gpu = 1e3 * sum(max(flops / (profile.bf16_tflops * 1e12),
                             hp_bytes * (r * c + c * o + r * o) / bw) for r, c, o in shapes)
         return max(gpu, profile.floor_ms["bf16"])
-    rate = profile.fp8_tflops[_gemm_kind(recipe)] * 1e12
-    gemms = sum(max(flops / rate, (r * c + c * o + hp_bytes * r * o) / bw) for r, c, o in shapes)
+    kind = _gemm_kind(recipe)
+    rates = [profile.fp8_tflops[kind] * 1e12] * 2 + [profile.fp8_tflops.get(kind + "_dw", profile.fp8_tflops[kind]) * 1e12]
+    gemms = sum(max(flops / rate, (r * c + c * o + hp_bytes * r * o) / bw) for (r, c, o), rate in zip(shapes, rates))
     casts, kernels = 0.0, 0
     for spec, numel, hp_only in ((recipe.input, m * k, recipe.grad_weight_hp), (recipe.weight, n * k, False),
                                  (recipe.grad_output, m * n, recipe.grad_weight_hp)):
@@ -104,6 +131,7 @@ def estimate_ms(m: int, k: int, n: int, recipe: Recipe | None, profile: DevicePr
                                         delayed=recipe.delayed is not None)
         casts, kernels = casts + b, kernels + kk
     if recipe.grad_weight_hp:  # a bf16 grad_weight GEMM instead of an FP8 one
-        gemms += flops / (profile.bf16_tflops * 1e12) - flops / rate
+        gemms += flops / (profile.bf16_tflops * 1e12) - flops / rates[2]
     gpu = 1e3 * (gemms + casts / bw) + kernels * profile.kernel_us * 1e-3
-    return max(gpu, profile.floor_ms["fp8"])
+    kind = recipe_kind(recipe)
+    return max(gpu, profile.floor_ms[kind]) + profile.lead_ms[kind]
