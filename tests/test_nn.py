@@ -159,15 +159,16 @@ def test_auto_bench_reads_convert_decisions_and_flags_slower_conversions():
 
 
 def test_roofline_model_ranks_the_measured_shapes():
-    """The model's verdicts against ``python -m fp8func.bench auto`` on an H200 (2026-11-23,
-    docs/benchmarks.md: 72 shape x recipe cases, 27 converted, none slower than bf16 in either
-    timing). FP8 wins on the large shapes in every recipe; the small ones stay bf16; and the five
-    cases the model without the per-recipe floors and leads converted although they measured
-    slower than bf16 (0.71-0.99x) now stay bf16."""
-    from fp8func.nn._auto import PROFILES, estimate_ms
+    """The model's verdicts against three runs of ``python -m fp8func.bench auto`` on an H200
+    (2026-11-23, docs/benchmarks.md: 140 shape x recipe measurements, 50 converted, none slower
+    than bf16 in either timing). FP8 wins on the large shapes in every recipe; the small ones stay
+    bf16; and the six cases converted before the per-recipe floors, leads and margin, which measured
+    slower than bf16 (0.71-0.99x) in some run, stay bf16."""
+    from fp8func.nn._auto import MARGIN, PROFILES, estimate_ms
 
     p = PROFILES["H200"]
-    faster = lambda shape, recipe: estimate_ms(*shape, f8.Recipe.from_name(recipe), p) < estimate_ms(*shape, None, p)  # noqa: E731
+    faster = lambda shape, recipe: (  # noqa: E731
+        estimate_ms(*shape, f8.Recipe.from_name(recipe), p) * MARGIN <= estimate_ms(*shape, None, p))
     for shape in [(16384, 4096, 14336), (16384, 14336, 4096), (8192, 8192, 8192), (8192, 4096, 14336)]:
         for recipe in ("tensorwise", "rowwise", "blockwise", "delayed"):  # measured 1.25-1.72x
             assert faster(shape, recipe), (shape, recipe)
@@ -181,7 +182,7 @@ def test_roofline_model_ranks_the_measured_shapes():
             assert not faster(shape, recipe), (shape, recipe)
     for shape, recipe in [((8192, 4096, 4096), "tensorwise"), ((8192, 4096, 4096), "blockwise"),
                           ((8192, 4096, 4096), "delayed"), ((16384, 4096, 4096), "blockwise"),
-                          ((4096, 14336, 4096), "blockwise")]:
+                          ((4096, 14336, 4096), "blockwise"), ((4096, 14336, 4096), "rowwise")]:
         assert not faster(shape, recipe), (shape, recipe)
 
 

@@ -10,7 +10,7 @@ from typing import Callable
 from torch import nn
 
 from .._scaling import AxisWise, Recipe, block_lengths
-from ._auto import estimate_ms, profile_for
+from ._auto import MARGIN, estimate_ms, profile_for
 from ._linear import Fp8Linear, _check_fp8_weights
 from ._moe import Fp8Experts, is_fused_experts
 
@@ -40,8 +40,9 @@ def _auto(module: nn.Linear, recipe: Recipe, tokens: int, profile) -> tuple[str,
     k, n = module.in_features, module.out_features
     bf16, fp8 = estimate_ms(tokens, k, n, None, profile), estimate_ms(tokens, k, n, recipe, profile)
     figures = f"modelled fwd+bwd at {tokens} tokens on {profile.name}: fp8 {fp8:.3f} ms, bf16 {bf16:.3f} ms"
-    if fp8 >= bf16:
-        return f"auto: kept bf16, FP8 not faster ({figures})", ""
+    if fp8 * MARGIN > bf16:
+        why = "FP8 not faster" if fp8 >= bf16 else f"FP8 {bf16 / fp8:.2f}x faster, under the {MARGIN}x margin"
+        return f"auto: kept bf16, {why} ({figures})", ""
     return "", f"auto: {bf16 / fp8:.2f}x ({figures})"
 
 
