@@ -1,4 +1,4 @@
-"""``python -m fp8func.bench {gemm,quantize,linear,block,auto,calibrate,grouped,memory,profile} [--iters N] [--json PATH]``: print a markdown table."""
+"""``python -m fp8func.bench {all,gemm,quantize,linear,block,auto,calibrate,grouped,memory,profile} [--iters N] [--json PATH]``: print a markdown table."""
 
 from __future__ import annotations
 
@@ -7,29 +7,29 @@ import json
 
 import torch
 
-from . import _auto, _block, _calibrate, _gemm, _grouped, _linear, _memory, _profile, _quant
+from . import _all, _auto, _block, _calibrate, _gemm, _grouped, _linear, _memory, _profile, _quant
 from ._timing import environment
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fp8func.bench", description=__doc__)
-    parser.add_argument("what", choices=["gemm", "quantize", "linear", "block", "auto", "calibrate", "grouped", "memory", "profile"],
-                        help="which benchmark to run")
+    parser.add_argument("what", choices=["all", "gemm", "quantize", "linear", "block", "auto", "calibrate", "grouped", "memory", "profile"],
+                        help="which benchmark to run (all: linear, quantize and block in one process)")
     parser.add_argument("--iters", type=int, default=50, help="timed runs per case (median reported)")
     parser.add_argument("--json", help="also write rows and environment to this JSON file")
-    parser.add_argument("--shapes", help="quantize: MxK[,...]; linear / auto / profile: MxKxN[,...] instead of the default shapes")
-    parser.add_argument("--recipes", help="linear / block / auto / memory / profile: comma list of recipes (default "
-                        "tensorwise,rowwise,blockwise,delayed; memory: tensorwise,rowwise; profile: tensorwise). "
+    parser.add_argument("--shapes", help="quantize: MxK[,...]; all / linear / auto / profile: MxKxN[,...] instead of the default shapes")
+    parser.add_argument("--recipes", help="all / linear / block / auto / memory / profile: comma list of recipes (default "
+                        "tensorwise,rowwise,blockwise,delayed; all: tensorwise,rowwise,blockwise; memory: tensorwise,rowwise; profile: tensorwise). "
                         "'delayed' is compared with torchao's dynamic tensorwise; '<recipe>+fastfwd' runs the "
                         "output GEMM with fast accumulation as torchao does")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fp8func.bench needs a CUDA GPU: these are throughput figures, not tests.")
     env = environment()
-    bench = {"gemm": _gemm, "quantize": _quant, "linear": _linear, "block": _block, "auto": _auto,
+    bench = {"all": _all, "gemm": _gemm, "quantize": _quant, "linear": _linear, "block": _block, "auto": _auto,
              "calibrate": _calibrate, "grouped": _grouped, "memory": _memory, "profile": _profile}[args.what]
-    if args.shapes and args.what not in ("quantize", "linear", "auto", "profile"):
-        parser.error("--shapes applies to the quantize, linear, auto and profile benchmarks only")
+    if args.shapes and args.what not in ("all", "quantize", "linear", "auto", "profile"):
+        parser.error("--shapes applies to the all, quantize, linear, auto and profile benchmarks only")
     kwargs = {"shapes": [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]} if args.shapes else {}
     if args.recipes:
         kwargs["recipes"] = tuple(args.recipes.split(","))
