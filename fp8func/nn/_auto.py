@@ -12,8 +12,7 @@ at ``tokens`` rows, calibrated on the GPU (``python -m fp8func.bench calibrate``
 * a floor per step: the host time to launch the step (autograd, the compiled graphs' launch),
   measured on an isolated compiled layer, per recipe. Small layers are host-bound, and the FP8
   step, with more kernels and an autograd.Function, has the higher floor (delayed scaling and
-  the block-scaled recipes the highest).
-
+  the block-scaled recipes the highest);
 * plus, for FP8, the lead: the host time a synchronized step pays before (and between) its
   kernels on top of the back-to-back step, the largest measured per recipe. With it the model
   estimates the slower of the two timings of ``python -m fp8func.bench linear``, so a layer it
@@ -125,8 +124,9 @@ def estimate_ms(m: int, k: int, n: int, recipe: Recipe | None, profile: DevicePr
         gpu = 1e3 * sum(max(flops / (profile.bf16_tflops * 1e12),
                             hp_bytes * (r * c + c * o + r * o) / bw) for r, c, o in shapes)
         return max(gpu, profile.floor_ms["bf16"])
-    kind = _gemm_kind(recipe)
-    rates = [profile.fp8_tflops[kind] * 1e12] * 2 + [profile.fp8_tflops.get(kind + "_dw", profile.fp8_tflops[kind]) * 1e12]
+    gemm_kind = _gemm_kind(recipe)
+    rate = profile.fp8_tflops[gemm_kind] * 1e12
+    rates = (rate, rate, profile.fp8_tflops.get(gemm_kind + "_dw", profile.fp8_tflops[gemm_kind]) * 1e12)  # y, dx, dw
     gemms = sum(max(flops / rate, (r * c + c * o + hp_bytes * r * o) / bw) for (r, c, o), rate in zip(shapes, rates))
     casts, kernels = 0.0, 0
     for spec, numel, hp_only in ((recipe.input, m * k, recipe.grad_weight_hp), (recipe.weight, n * k, False),
