@@ -1,7 +1,8 @@
 """fp8func: FP8 training for PyTorch as pure functions over explicit pytrees.
 
-Layers (each imports only from those above it): formats → scaling → qtensor → ops → gemm →
-autograd; the stateful shell (nn, distributed) and the Triton kernels come on top.
+Layers (each imports only from those above it): formats → scaling → sharding → qtensor → ops →
+gemm → plan → casts → autograd; the stateful shell (nn, distributed) and the Triton kernels
+come on top.
 
 Example:
     >>> import torch, fp8func as f8
@@ -31,14 +32,20 @@ from ._sharding import reduce_amax as reduce_amax
 from ._qtensor import Fp8Meta as Fp8Meta
 from ._qtensor import Fp8Tensor as Fp8Tensor
 from ._ops import dequantize as dequantize
+from ._ops import fake_quantize as fake_quantize
 from ._ops import quantize as quantize
 from ._ops import quantize_with_scale as quantize_with_scale
 from ._delayed import LinearScalingState as LinearScalingState
 from ._delayed import ScalingState as ScalingState
+from ._delayed import quantize_delayed as quantize_delayed
+from ._plan import GemmPlan as GemmPlan
+from ._plan import LinearPlan as LinearPlan
+from ._plan import plan as plan
 from ._collectives import all_gather as all_gather
 from ._gemm import gemm as gemm
 from ._gemm import gemm_path as gemm_path
 from ._autograd import linear as linear
+from ._autograd import linear_delayed as linear_delayed
 from ._grouped import JaggedFp8Tensor as JaggedFp8Tensor
 from ._grouped import align_groups as align_groups
 from ._grouped import dequantize_jagged as dequantize_jagged
@@ -72,6 +79,8 @@ __all__ = [
     "ScalingState",
     "Fp8Meta",
     "Fp8Tensor",
+    "GemmPlan",
+    "LinearPlan",
     "JaggedFp8Tensor",
     "MasterWeights",
     "align_groups",
@@ -97,7 +106,11 @@ __all__ = [
     "gemm",
     "gemm_path",
     "linear",
+    "linear_delayed",
+    "plan",
+    "fake_quantize",
     "quantize",
+    "quantize_delayed",
     "quantize_with_scale",
     "reduce_amax",
     "round_up_to_pow2",

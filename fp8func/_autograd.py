@@ -1,35 +1,271 @@
-"""``linear``: the FP8 linear layer as a pure, differentiable function.
+"""The FP8 linear layer as one differentiable op over a ``LinearPlan``: ``linear``, ``linear_delayed``.
 
-Forward ``y = x @ w.T`` with x and w quantized per ``recipe.input`` / ``recipe.weight``;
-backward quantizes ``dy`` per ``recipe.grad_output`` and computes ``dx = dy @ w`` and
-``dw = dy.T @ x``, each operand cast along its own contraction axis. A cast whose granularity
-is symmetric under transposition (tensorwise, square blocks) is reused by the backward instead
-of being recomputed: the same values, bitwise, and half the saved activation memory.
+Forward ``y = x @ w.T`` with x and w cast per the plan's output GEMM; backward casts ``dy`` and
+computes ``dx = dy @ w`` and ``dw = dy.T @ x``, each operand cast along its own contraction axis
+(or in high precision where the plan says so). A cast whose groups are the same seen transposed
+(tensorwise, square blocks) is reused by the backward instead of being recomputed: the same
+values, bitwise, and half the saved activation memory.
+
+Every recipe runs the same ``autograd.Function``: dynamic and delayed scaling, weight casts made
+elsewhere (FSDP2's fp8 all-gather) and input casts gathered in FP8 (sequence parallel). It is
+``allow_in_graph``: dynamo records one call and AOTAutograd differentiates it through its own
+``backward``, so ``torch.compile`` around ``torch.func.grad`` / ``vjp`` / ``vmap`` runs the FP8
+backward, as eager autograd does (tracing into the function instead let dynamo differentiate
+the forward's fp8 casts).
+
+Delayed scaling follows flax's "overwrite with gradient": the three casts' states go in as
+inputs and the next step's states come back as their *gradients*; the op also returns the states
+(as new tensors) to thread into a later use of the same state in the step, whose amaxes merge
+by max into one history entry (``fp8func._delayed.record_merged``).
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from ._casts import _cast, _forward_transposes, _transpose_invariant, activation_casts, weight_casts
-from ._delayed import LinearScalingState
-from ._delayed_linear import linear_delayed
+import torch
+from torch.distributed.tensor import DTensor
+
+from ._casts import _cast, _cast_delayed, _forward_transposes, activation_casts, weight_casts
+from ._delayed import LinearScalingState, ScalingState, consume, record_merged
 from ._gathered import gathered_casts
 from ._gemm import gemm
-from ._ops import quantize
+from ._plan import LinearPlan, operand, plan, transposed, untileable
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import CastSpec, Recipe, block_lengths
+from ._scaling import CastSpec, Recipe
+from ._sharding import Sharding, reduce_amax
+from ._scaling import TensorWise
 
-__all__ = ["linear"]
+__all__ = ["linear", "linear_delayed", "fp8_linear"]
 
 
-def _cast_b(t: torch.Tensor, spec: CastSpec) -> Fp8Tensor:
-    """The GEMM's b operand ``t [K, N]`` cast along its contraction axis K.
+@dataclass(frozen=True)
+class _Layout:
+    """Static description of the op's tensor inputs after (x, weight, bias), in order: each given
+    weight cast's (data, scale), each given input cast's, then six delayed-scaling state tensors."""
 
-    Quantizes ``t.T [N, K]`` (contraction last, as every Recipe spec is written) and transposes
-    back: a column-major ``[K, N]`` payload, which is what scaled_mm wants for b anyway.
-    """
-    return quantize(t.t(), spec).t()
+    w_given: tuple[str, ...] = ()
+    x_given: tuple[str, ...] = ()
+    delayed: bool = False
+    transposes: tuple[bool, bool] = (False, False)  # the forward writes x's / w's transposed fp8 copy
+    sharding: Sharding | None = None  # delayed: how x's and dy's rows are split over ranks
+
+
+def _unpack(layout: _Layout, leaves) -> tuple[dict, dict, tuple | None]:
+    it = iter(leaves)
+    w = {name: (next(it), next(it)) for name in layout.w_given}
+    x = {name: (next(it), next(it)) for name in layout.x_given}
+    states = tuple(ScalingState(next(it), next(it)) for _ in range(3)) if layout.delayed else None
+    return w, x, states
+
+
+def _given(pair: tuple, spec: CastSpec, dtype: torch.dtype) -> Fp8Tensor:
+    # Views, not the inputs themselves: an autograd.Function output that is saved must not be an
+    # input returned as it is.
+    return Fp8Tensor(pair[0].view_as(pair[0]), pair[1].view_as(pair[1]), Fp8Meta(spec, dtype, None))
+
+
+def _cast_operand(t, spec: CastSpec, given: dict, name: str, state, transpose: bool, p: LinearPlan):
+    """(cast, its transposed copy or None, amax recorded or None) of the forward's ``x`` / ``w``."""
+    if given:
+        return _given(given[name], spec, t.dtype), None, None
+    if state is not None:
+        return _cast_delayed(t, spec, state.scale, transpose=transpose, kernels=p.kernels)
+    q, q_t = _cast(t, spec, transpose=transpose, kernels=p.kernels)
+    return q, q_t, None
+
+
+class _LinearFn(torch.autograd.Function):
+    """Outputs: y; the x and w payloads the backward reads (non-differentiable); with delayed
+    scaling, the six state tensors passed on (differentiable: their gradients are the later
+    uses' new states) and the x and w amaxes recorded (non-differentiable)."""
+
+    @staticmethod
+    def forward(x, weight, bias, p: LinearPlan, layout: _Layout, *leaves):
+        gw, gx, states = _unpack(layout, leaves)
+        xs, ws = operand(p, "x"), operand(p, "w")
+        tx, tw = layout.transposes
+        x2 = x.reshape(-1, x.shape[-1])
+        qx, qx_t, x_amax = _cast_operand(x2, xs.first, gx, "x", states and states[0], tx, p)
+        w_state = states[1] if states is not None and p.delayed.weight else None
+        qw, qw_t, w_amax = _cast_operand(weight, ws.first, gw, "w", w_state, tw, p)
+        y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=p.output.path, fast_accum=p.output.fast_accum)
+        qx = qx if qx_t is None else qx_t  # what the backward reads
+        qw = qw if qw_t is None else qw_t
+        out = (y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale)
+        if states is None:
+            return out
+        passed = tuple(t.clone() for st in states for t in st)
+        zero = x2.new_zeros(1, dtype=torch.float32)
+        return out + passed + (zero if x_amax is None else x_amax, zero if w_amax is None else w_amax)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, p, layout, *leaves = inputs
+        gw, gx, states = _unpack(layout, leaves)
+        _, qx_data, qx_scale, qw_data, qw_scale, *rest = output
+        ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale, *rest[6:])
+        ctx.plan, ctx.layout = p, layout
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        x_kind, x_saved = _saved(operand(p, "x"), p.grad_weight.hp, gx, "x", layout.transposes[0],
+                                 (qx_data, qx_scale), x)
+        w_kind, w_saved = _saved(operand(p, "w"), p.grad_input.hp, gw, "w", layout.transposes[1],
+                                 (qw_data, qw_scale), weight)
+        if x_kind == "missing":
+            raise ValueError(f"linear: plan {p.name!r} needs the input itself or its 'x_t' cast in the backward.")
+        ctx.x_kind, ctx.w_kind = x_kind, w_kind
+        state_saved = () if states is None else (*(t for st in states for t in st), *rest[6:])
+        ctx.save_for_backward(*x_saved, *w_saved, *state_saved)
+
+    @staticmethod
+    def backward(ctx, dy, *grads):
+        p: LinearPlan = ctx.plan
+        saved = ctx.saved_tensors
+        x_saved, w_saved, state_saved = saved[:2], saved[2:4], saved[4:]
+        dy2, dy_given = _grad_output(dy, ctx)
+        dx = dw = db = None
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        qdy, qdy_t, dy_amax = _cast_grad_output(dy2, dy_given, state_saved[4:6] if state_saved else None,
+                                                need_dx and not p.grad_input.hp, need_dw and not p.grad_weight.hp, p)
+        if need_dx:
+            if p.grad_input.hp:
+                dx = (dy2.to(ctx.x_dtype) @ w_saved[0].to(ctx.x_dtype)).reshape(ctx.x_shape)
+            else:
+                b = _operand_for_backward(ctx.w_kind, w_saved, operand(p, "w"), ctx.w_dtype, qdy)  # [N, K] along N
+                dx = gemm(qdy, b, out_dtype=ctx.x_dtype, path=p.grad_input.path,
+                          fast_accum=p.grad_input.fast_accum).reshape(ctx.x_shape)
+        if need_dw:
+            if p.grad_weight.hp:
+                x2 = x_saved[0].reshape(-1, x_saved[0].shape[-1])
+                dw = dy2.t().to(x2.dtype) @ x2
+            else:
+                b = _operand_for_backward(ctx.x_kind, x_saved, operand(p, "x"), ctx.x_dtype, None)  # [M, K] along M
+                dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=p.grad_weight.path, fast_accum=p.grad_weight.fast_accum)
+            dw = dw.to(ctx.w_dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            if dy_given is not None:
+                raise ValueError("fp8func: a grad_output gathered in FP8 cannot give a bias gradient; "
+                                 "use the stock RowwiseParallel for layers with a bias.")
+            db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        given = (None,) * (2 * (len(ctx.layout.w_given) + len(ctx.layout.x_given)))
+        states = () if not ctx.layout.delayed else _next_states(ctx, state_saved, grads[4:10], dy_amax)
+        return (dx, dw, db, None, None, *given, *states)
+
+    @staticmethod
+    def vmap(info, in_dims, x, weight, bias, p, layout, *leaves):
+        # Per-example semantics: each example gets its own scales (a tensorwise amax over the whole
+        # batch would change the numbers), and its own state updates, so the rule maps the function
+        # over the batch. Unbatched inputs (a shared weight, a shared state) are read by every example.
+        def pick(t, d, i):
+            return t if t is None or d is None else t.select(d, i)
+
+        n_given = 2 * (len(layout.w_given) + len(layout.x_given))
+        if any(d is not None for d in in_dims[5:5 + n_given]):
+            raise ValueError("fp8func.linear: vmap over weight or input casts made elsewhere (FSDP2's fp8 "
+                             "all-gather, an FP8 sequence gather) is not supported; vmap over the tensors.")
+        tensors = (x, weight, bias, *leaves)
+        dims = (*in_dims[:3], *in_dims[5:])
+        outs = [_LinearFn.apply(*(pick(t, d, i) for t, d in zip(tensors[:3], dims[:3])), p, layout,
+                                *(pick(t, d, i) for t, d in zip(tensors[3:], dims[3:])))
+                for i in range(info.batch_size)]
+        stacked = tuple(torch.stack(parts) for parts in zip(*outs))
+        return stacked, (0,) * len(stacked)
+
+
+def _saved(casts, hp: bool, given: dict, name: str, wrote_t: bool, payload: tuple, hp_tensor) -> tuple[str, tuple]:
+    """What the backward keeps of one operand: (kind, two tensors). Kinds: "cast" (the forward's
+    cast, reused), "cast_t" (the transposed copy the forward wrote), "given" (the transposed-GEMM
+    cast made elsewhere), "hp" (the tensor itself, cast in the backward or used in high precision)."""
+    if hp:
+        return ("hp", (hp_tensor, hp_tensor)) if not given else ("missing", ())
+    if given:
+        if casts.reuses:
+            return "cast", payload
+        t_name = name + "_t"
+        return ("given", given[t_name]) if t_name in given else ("missing", ())
+    if wrote_t:
+        return "cast_t", payload
+    if casts.reuses:
+        return "cast", payload
+    return "hp", (hp_tensor, hp_tensor)
+
+
+def _operand_for_backward(kind: str, saved: tuple, casts, dtype, qdy) -> Fp8Tensor:
+    """The backward GEMM's ``b`` from what the forward kept: ``[N, K]`` along N for w (grad_input),
+    ``[M, K]`` along M for x (grad_weight)."""
+    a, b = saved
+    if kind == "cast":
+        return Fp8Tensor(a, b, Fp8Meta(casts.first, dtype, None))
+    if kind == "cast_t":  # a row-major [K, *] copy: its transpose is column-major, as scaled_mm's b
+        return Fp8Tensor(a, b, Fp8Meta(casts.first, dtype, None)).t()
+    spec = transposed(casts.second)  # the second cast, written on the operand's own layout
+    if kind == "given":
+        return Fp8Tensor(_given_in_backward(a, qdy.scale) if qdy is not None else a, b, Fp8Meta(spec, dtype, None))
+    t = a.reshape(-1, a.shape[-1])
+    return _cast(t.t(), casts.second)[0].t()  # cast along the other axis: quantize t.T, view it back
+
+
+def _grad_output(dy, ctx) -> tuple[torch.Tensor, dict | None]:
+    """(dy as [M, N], its casts when it arrives gathered in FP8 by a sequence-parallel layer)."""
+    dy_given = gathered_casts(dy)
+    if dy_given is not None and ctx.layout.delayed:
+        raise ValueError("fp8func: delayed scaling casts the grad_output itself; use the stock TP styles.")
+    return (dy.reshape(-1, dy.shape[-1]) if dy_given is None else dy), dy_given
+
+
+def _cast_grad_output(dy2, given, state, want_first: bool, want_second: bool, p: LinearPlan):
+    """(dy along N for grad_input, dy.T along M for grad_weight, dy's amax (delayed) or None)."""
+    casts = operand(p, "dy")
+    if given is not None:
+        qdy = given["dy"] if want_first or casts.reuses else None
+        second = given.get("dy_t", given["dy"]).t() if want_second else None
+        return qdy, second, None
+    if not (want_first or want_second):
+        return None, None, None
+    if state is not None:
+        qdy, qdy_t, amax = _cast_delayed(dy2, casts.first, state[1], transpose=want_second, kernels=p.kernels)
+        return qdy, qdy_t, amax
+    if casts.first == casts.second:  # one call, one amax: [M, N] along N and [N, M] along M
+        return _cast(dy2, casts.first, transpose=want_second, kernels=p.kernels)[:2] + (None,)
+    qdy = _cast(dy2, casts.first, kernels=p.kernels)[0] if want_first else None
+    qdy_t = _cast(dy2.t(), casts.second, kernels=p.kernels)[0] if want_second else None
+    return qdy, qdy_t, None
+
+
+def _next_states(ctx, saved: tuple, incoming: tuple, dy_amax) -> tuple:
+    """The gradients of the six state inputs: each state after this use's amax is recorded
+    (``record_merged``); ``None`` for a state this plan does not record (a dynamic weight)."""
+    p: LinearPlan = ctx.plan
+    xh, xs, wh, ws, dyh, dys, x_amax, w_amax = saved
+    algo, sharding = p.delayed.algo, ctx.layout.sharding
+    amaxes = (_global_amax(x_amax, sharding), None if not p.delayed.weight else _global_amax(w_amax, None),
+              None if dy_amax is None else _global_amax(dy_amax, sharding))
+    specs = (operand(p, "x").first, operand(p, "w").first, operand(p, "dy").first)
+    out = []
+    for (h, s), (gh, gs), amax, spec in zip(((xh, xs), (wh, ws), (dyh, dys)),
+                                             zip(incoming[0::2], incoming[1::2]), amaxes, specs):
+        if amax is None:
+            out += [None, None]
+            continue
+        gh = torch.zeros_like(h) if gh is None else gh
+        gs = torch.zeros_like(s) if gs is None else gs
+        out += list(record_merged(ScalingState(h, s), ScalingState(gh, gs), amax, spec, algo))
+    return tuple(out)
+
+
+def _global_amax(amax: torch.Tensor, sharding: Sharding | None) -> torch.Tensor:
+    """The amax of the logical tensor: a DTensor's over its mesh (TP), then over ``sharding``'s
+    row split (the data-parallel ranks' batches) when given."""
+    if isinstance(amax, DTensor):
+        amax = amax.full_tensor()
+    amax = amax.reshape(1)
+    if sharding is not None:
+        amax = reduce_amax(amax, sharding.mesh, sharding.amax_mesh_dims(TensorWise(), (2, 2)))
+    return amax
+
+
+torch._dynamo.allow_in_graph(_LinearFn)
 
 
 @torch.library.custom_op("fp8func::read_in_backward", mutates_args=())
@@ -52,18 +288,14 @@ def _given_in_backward(t: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tenso
 
     Eager, the backward reads the saved tensor when it runs, after the refill. Compiled,
     AOTAutograd's partitioner may compute an op that depends only on forward inputs in the
-    forward graph and save its result (nothing in the graph says the buffer changes in between);
-    it then read the forward's ``w`` bytes with ``w_t``'s scales (two H200s, torch 2.11: every
-    gradient below the first row-wise layer differed from fsdp fp8 all-gather off). An opaque op
+    forward graph and save its result, since nothing in the graph says the buffer changes in
+    between; it would then read the forward's ``w`` bytes with ``w_t``'s scales. An opaque op
     that also takes something of the gradient cannot run before the gradient exists. It takes the
-    grad_output cast's scale, an fp32 tensor the GEMM reads anyway: given ``dy`` itself, the
-    compiled CPU run's bits changed (likely inductor then stored the bf16 ``dy`` that it otherwise
-    fuses unrounded into the cast).
+    grad_output cast's scale, an fp32 tensor the GEMM reads anyway (given ``dy`` itself, inductor
+    would store the bf16 ``dy`` that it otherwise fuses unrounded into the cast).
     """
     if not torch.compiler.is_compiling():
         return t
-    from torch.distributed.tensor import DTensor
-
     dep = grad_scale.to_local() if isinstance(grad_scale, DTensor) else grad_scale
     if isinstance(t, DTensor):
         # shape and stride given: computing them is a graph break (torch._C's global tensor info)
@@ -72,193 +304,7 @@ def _given_in_backward(t: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tenso
     return _read_in_backward(t, dep)
 
 
-def _for_backward(reuse: bool, own: tuple, given_t: tuple, hp: torch.Tensor) -> tuple:
-    """What the backward needs of one operand: the forward's cast when it can be reused, else
-    the transposed cast made elsewhere, else the high-precision tensor (saved twice: two slots)."""
-    if reuse:
-        return own
-    if given_t[0] is not None:
-        return given_t
-    return hp, hp
-
-
-class _LinearFn(torch.autograd.Function):
-    # Outputs: y, then the payloads that the backward reuses (non-differentiable).
-
-    # ``casts``: None (cast ``weight`` here), or the weight's casts made elsewhere (FSDP2's fp8
-    # all-gather) as (w_data, w_scale, w_t_data, w_t_scale), see ``weight_casts``.
-
-    # ``x_data`` ...: the same for the input (a sequence-parallel fp8 all-gather), see
-    # ``activation_casts``; ``x`` then only routes the gradient and is not read.
-
-    @staticmethod
-    def forward(x, weight, bias, recipe: Recipe, w_data, w_scale, wt_data, wt_scale,
-                x_data=None, x_scale=None, xt_data=None, xt_scale=None, transposes=(False, False)):
-        # ``transposes`` (for x, for w): also write the operand's fp8 copy transposed, in the same
-        # pass as its forward cast, for the backward GEMM that contracts over its other axis (see
-        # ``_forward_transposes``). The backward then reads it as the column-major operand
-        # scaled_mm wants, instead of transposing fp8 bytes itself.
-        x_t = w_t = None
-        if x_data is None:
-            qx, x_t = _cast(x.reshape(-1, x.shape[-1]), recipe.input, transpose=transposes[0])
-        else:
-            qx = Fp8Tensor(x_data.view_as(x_data), x_scale.view_as(x_scale), Fp8Meta(recipe.input, x.dtype, None))
-        if w_data is None:
-            qw, w_t = _cast(weight, recipe.weight, transpose=transposes[1])  # [N, K], contraction last
-        else:
-            # Views, not the inputs themselves: autograd.Function outputs that are saved must not
-            # be inputs returned as they are.
-            qw = Fp8Tensor(w_data.view_as(w_data), w_scale.view_as(w_scale), Fp8Meta(recipe.weight, weight.dtype, None))
-        y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=recipe.path, fast_accum="output" in recipe.fast_accum)
-        qx = qx if x_t is None else x_t  # what the backward reads
-        qw = qw if w_t is None else w_t
-        return y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, bias, recipe, _, _, wt_data, wt_scale, x_data, _, xt_data, xt_scale, transposes = (
-            inputs + (None,) * 8 + ((False, False),))[:13]
-        _, qx_data, qx_scale, qw_data, qw_scale = output
-        ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale)
-        ctx.recipe = recipe
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        ctx.has_bias = bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.reuse_x = not recipe.grad_weight_hp and _transpose_invariant(recipe.input)
-        ctx.reuse_w = recipe.grad_input_weight is None and _transpose_invariant(recipe.weight)
-        # The saved fp8 copy is the transposed one ([K, M] / [K, N], row-major) when the forward made
-        # it (``_forward_transposes`` asks for it only where the backward reads it that way).
-        ctx.x_saved_t, ctx.w_saved_t = transposes
-        ctx.given_wt = wt_data is not None
-        ctx.given_xt = xt_data is not None
-        if x_data is not None and not (ctx.reuse_x or ctx.given_xt):
-            raise ValueError(f"linear: recipe {recipe.name!r} needs the input itself or its 'x_t' cast in the backward.")
-        ctx.save_for_backward(*_for_backward(ctx.reuse_x or ctx.x_saved_t, (qx_data, qx_scale), (xt_data, xt_scale), x),
-                              *_for_backward(ctx.reuse_w or ctx.w_saved_t, (qw_data, qw_scale), (wt_data, wt_scale),
-                                             weight))
-
-    @staticmethod
-    def backward(ctx, dy, *_unused):
-        recipe: Recipe = ctx.recipe
-        x_a, x_b, w_a, w_b = ctx.saved_tensors
-        n = dy.shape[-1]
-        dy_casts = gathered_casts(dy)  # a grad_output gathered in FP8 (sequence-parallel output)
-        if dy_casts is None:
-            dy2 = dy.reshape(-1, n)
-        elif ctx.has_bias and ctx.needs_input_grad[2]:
-            raise ValueError("fp8func: a grad_output gathered in FP8 cannot give a bias gradient; "
-                             "use the stock RowwiseParallel for layers with a bias.")
-        dx = dw = db = None
-        fp8_dw = ctx.needs_input_grad[1] and not recipe.grad_weight_hp
-        if dy_casts is None and (ctx.needs_input_grad[0] or fp8_dw):
-            # [M, N] along N for grad_input, and [N, M] along M for grad_weight: one call, one amax
-            qdy, qdy_t = _cast(dy2, recipe.grad_output, transpose=fp8_dw)
-        if ctx.needs_input_grad[0]:
-            qdy = dy_casts["dy"] if dy_casts else qdy
-            if ctx.w_saved_t:
-                b = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype, None)).t()  # [N, K], column-major
-            elif ctx.reuse_w:
-                b = Fp8Tensor(w_a, w_b, Fp8Meta(recipe.weight, ctx.w_dtype, None))  # [N, K]
-            elif ctx.given_wt:
-                b = Fp8Tensor(_given_in_backward(w_a, qdy.scale), w_b,
-                              Fp8Meta(weight_casts(recipe)[1][1], ctx.w_dtype, None))
-            else:
-                b = _cast_b(w_a, recipe.weight_for_grad_input)  # [N, K] along N
-            dx = gemm(qdy, b, out_dtype=ctx.x_dtype, path=recipe.path,
-                      fast_accum="grad_input" in recipe.fast_accum).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            if recipe.grad_weight_hp:
-                x2 = x_a.reshape(-1, x_a.shape[-1])
-                dw = dy2.t().to(x2.dtype) @ x2
-            else:
-                if dy_casts is not None:
-                    qdy_t = dy_casts.get("dy_t", dy_casts["dy"]).t()
-                if ctx.x_saved_t:
-                    b = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype, None)).t()  # [M, K], column-major
-                elif ctx.reuse_x:
-                    b = Fp8Tensor(x_a, x_b, Fp8Meta(recipe.input, ctx.x_dtype, None))
-                elif ctx.given_xt:
-                    b = Fp8Tensor(x_a, x_b, Fp8Meta(activation_casts(recipe)[1][1], ctx.x_dtype, None))
-                else:
-                    b = _cast_b(x_a.reshape(-1, x_a.shape[-1]), recipe.input)  # [M, K] along M
-                dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=recipe.path, fast_accum="grad_weight" in recipe.fast_accum)
-            dw = dw.to(ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, weight, bias, recipe, *casts):
-        # Per-example semantics: each example gets its own scales (a tensorwise amax over the
-        # whole batch would change the numbers), so the rule maps the function over the batch.
-        def pick(t, d, i):
-            return t if t is None or d is None else t.select(d, i)
-
-        dims = in_dims[:3]
-        if any(d is not None for d in torch.utils._pytree.tree_leaves(in_dims[4:])):
-            raise ValueError("fp8func.linear: vmap over pre-gathered weight casts is not supported.")
-        outs = [
-            _LinearFn.apply(*(pick(t, d, i) for t, d in zip((x, weight, bias), dims)), recipe, *casts)
-            for i in range(info.batch_size)
-        ]
-        stacked = tuple(torch.stack(parts) for parts in zip(*outs))
-        return stacked, (0,) * len(stacked)
-
-
-def _check_gemm_shapes(recipe: Recipe, m: int, k: int, n: int) -> None:
-    """Fails in the forward, not halfway through the backward, if a cast cannot tile an operand."""
-    operands = [(recipe.input, (m, k), "input x"), (recipe.weight, (n, k), "weight w"),
-                (recipe.weight_for_grad_input, (k, n), "weight w.T (grad_input GEMM)"),
-                (recipe.grad_output, (m, n), "grad_output dy")]
-    if not recipe.grad_weight_hp:
-        operands += [(recipe.grad_output, (n, m), "grad_output dy.T (grad_weight GEMM)"),
-                     (recipe.input, (k, m), "input x.T (grad_weight GEMM)")]
-    for spec, shape, role in operands:
-        try:
-            block_lengths(spec.granularity, shape)
-        except ValueError as e:
-            raise ValueError(
-                f"linear with recipe {recipe.name!r} on M={m}, K={k}, N={n}: the {role} cast "
-                f"cannot tile its operand. {e}"
-            ) from None
-
-
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    recipe: Recipe | str = "tensorwise",
-    *,
-    state: LinearScalingState | None = None,
-):
-    """FP8 drop-in for ``torch.nn.functional.linear``: ``x @ weight.T + bias``, differentiable.
-
-    Works under ``torch.func.grad`` / ``vjp`` / ``vmap`` / ``functional_call`` and
-    ``torch.compile(fullgraph=True)``.
-
-    Delayed scaling (a recipe with ``delayed``, e.g. ``"delayed"``): pass ``state`` (a
-    ``LinearScalingState``) and get ``(y, new_state)``. ``new_state`` holds the updated input and
-    weight states; the grad_output state is updated in the backward and comes back as the
-    gradient of ``state.grad_output`` (``torch.func.grad(..., argnums=...)`` over the state, or
-    ``.grad`` of its tensors when they require grad): take it with ``new_state._replace(
-    grad_output=state_grads.grad_output)``. ``fp8func.nn.Fp8Linear`` does this for you.
-
-    Args:
-        x: ``[..., K]`` activations (bf16 or fp32); the output has ``x``'s dtype.
-        weight: ``[N, K]``; its gradient comes back in its own dtype (fp32 master weights stay fp32).
-        bias: optional ``[N]``, added in the output dtype.
-        recipe: a ``Recipe`` or a recipe name (``Recipe.from_name``).
-
-    Example:
-        >>> import torch, fp8func as f8
-        >>> x = torch.randn(8, 64, requires_grad=True)
-        >>> w = torch.randn(32, 64, requires_grad=True)
-        >>> f8.linear(x, w, recipe="rowwise").sum().backward()
-    """
-    if isinstance(recipe, str):
-        recipe = Recipe.from_name(recipe)
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"linear: recipe={recipe!r}; expected a Recipe or a recipe name such as 'tensorwise'.")
+def _check_args(x, weight, bias, p: LinearPlan) -> None:
     if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear: x has shape {tuple(x.shape)} and weight {tuple(weight.shape)}; expected "
@@ -266,42 +312,149 @@ def linear(
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"linear: bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},).")
-    _check_gemm_shapes(recipe, x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0])
-    if recipe.delayed is not None:
-        return linear_delayed(x, weight, bias, recipe, state)
+    m, k, n = x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0]
+    why = untileable(p, m, k, n)
+    if why:
+        raise ValueError(f"linear with plan {p.name!r} on M={m}, K={k}, N={n}: {why}")
+
+
+def _leaves(group: dict[str, Fp8Tensor] | None, wanted: list, what: str, p: LinearPlan) -> tuple[tuple, tuple]:
+    """(names, flat (data, scale) leaves) of casts made elsewhere, checked against the plan's."""
+    if group is None:
+        return (), ()
+    names = [name for name, _ in wanted]
+    if sorted(group) != sorted(names):
+        raise ValueError(f"linear: plan {p.name!r} needs {what} casts {names}, got {sorted(group)}.")
+    return tuple(names), tuple(t for name in names for t in (group[name].data, group[name].scale))
+
+
+def _check_state(state, p: LinearPlan, x, weight) -> None:
+    if not isinstance(state, LinearScalingState):
+        raise TypeError(f"linear_delayed: state={type(state).__name__}; expected a LinearScalingState, e.g. "
+                        "fp8func.LinearScalingState.init(history_len).requires_grad_().")
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return  # checked when the same code runs eagerly; no update is due without grad
+    tracked = [t.requires_grad for st in state for t in st]
+    if (x.requires_grad or weight.requires_grad) and not all(tracked):
+        raise ValueError(
+            "linear_delayed: the next step's scaling state comes back as the gradient of `state`, but its tensors "
+            "do not require grad, so the update would be lost. Differentiate with respect to the state "
+            "(torch.func.grad(loss, argnums=(..., <state>)) or state.requires_grad_() and read .grad), or run "
+            "the forward under torch.no_grad() when no state update is wanted."
+        )
+    consume(state, "linear_delayed")
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe, *,
+               state: LinearScalingState | None = None, w_casts: dict[str, Fp8Tensor] | None = None,
+               x_casts: dict[str, Fp8Tensor] | None = None,
+               amax_sharding: Sharding | None = None) -> tuple[torch.Tensor, LinearScalingState | None]:
+    """The one FP8 linear op every entry point calls: ``(y, state passed on)``.
+
+    ``w_casts`` / ``x_casts``: the weight's / input's casts made elsewhere (named as
+    ``weight_casts(plan)`` / ``activation_casts(plan)``); the tensor then only routes the
+    gradient. ``state``: the delayed-scaling state (a delayed plan needs one, a dynamic one none).
+    """
+    p = plan(recipe)
+    _check_args(x, weight, bias, p)
+    if (p.delayed is None) != (state is None):
+        raise ValueError(f"linear: plan {p.name!r} " + (
+            "scales dynamically; drop the state or use a delayed recipe." if p.delayed is None else
+            "uses delayed scaling and needs state=LinearScalingState (fp8func.linear_delayed)."))
+    if p.delayed is not None and (x_casts is not None or (w_casts is not None and p.delayed.weight)):
+        raise ValueError("fp8func: delayed scaling casts the input (and, unless DelayedScaling(weight=False), the "
+                         "weight) itself; use the stock TP styles, and fsdp_fp8_all_gather=False or "
+                         "DelayedScaling(weight=False) with a delayed recipe.")
+    w_names, w_leaves = _leaves(w_casts, weight_casts(p), "weight", p)
+    x_names, x_leaves = _leaves(x_casts, activation_casts(p), "input", p)
+    states = ()
     if state is not None:
-        raise ValueError(f"linear: state= is for delayed scaling, but recipe {recipe.name!r} scales dynamically; "
-                         "use recipe='delayed' or drop the state.")
-    transposes = _forward_transposes(x, weight, recipe, False, False)
-    return _LinearFn.apply(x, weight, bias, recipe, None, None, None, None, None, None, None, None, transposes)[0]
+        _check_state(state, p, x, weight)
+        states = tuple(t for st in state for t in st)
+    layout = _Layout(w_names, x_names, state is not None,
+                     _forward_transposes(x, weight, p, bool(x_names), bool(w_names)),
+                     amax_sharding if state is not None else None)
+    out = _LinearFn.apply(x, weight, bias, p, layout, *w_leaves, *x_leaves, *states)
+    if state is None:
+        return out[0], None
+    t = out[5:11]
+    return out[0], LinearScalingState(ScalingState(t[0], t[1]), ScalingState(t[2], t[3]), ScalingState(t[4], t[5]))
 
 
-def linear_with_casts(
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    recipe: Recipe | LinearPlan | str = "tensorwise",
+    *,
+    state: LinearScalingState | None = None,
+) -> torch.Tensor:
+    """FP8 drop-in for ``torch.nn.functional.linear``: ``x @ weight.T + bias``, differentiable.
+
+    Works under ``torch.func.grad`` / ``vjp`` / ``vmap`` / ``functional_call``,
+    ``torch.compile(fullgraph=True)`` and their compositions. Always returns a tensor; delayed
+    scaling, which threads a state, is ``linear_delayed``.
+
+    Args:
+        x: ``[..., K]`` activations (bf16 or fp32); the output has ``x``'s dtype.
+        weight: ``[N, K]``; its gradient comes back in its own dtype (fp32 master weights stay fp32).
+        bias: optional ``[N]``, added in the output dtype.
+        recipe: a ``Recipe``, a recipe name (``Recipe.from_name``) or a per-GEMM ``LinearPlan``.
+
+    Example:
+        >>> import torch, fp8func as f8
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> w = torch.randn(32, 64, requires_grad=True)
+        >>> f8.linear(x, w, recipe="rowwise").sum().backward()
+    """
+    p = plan(recipe)
+    if state is not None or p.delayed is not None:
+        raise TypeError(f"linear: plan {p.name!r} with state={'given' if state is not None else None}: linear returns "
+                        "a tensor and scales dynamically; for delayed scaling call "
+                        "fp8func.linear_delayed(x, weight, bias, recipe, state) -> (y, state).")
+    return fp8_linear(x, weight, bias, p)[0]
+
+
+def linear_delayed(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    recipe: Recipe,
-    casts: dict[str, Fp8Tensor] | None,
-    x_casts: dict[str, Fp8Tensor] | None = None,
-) -> torch.Tensor:
-    """``linear`` with the weight's casts made elsewhere (e.g. gathered in FP8 by FSDP2).
+    recipe: Recipe | LinearPlan | str,
+    state: LinearScalingState,
+    *,
+    amax_sharding: Sharding | None = None,
+) -> tuple[torch.Tensor, LinearScalingState]:
+    """``linear`` with delayed scaling: casts with scales from earlier steps; ``(y, state)``.
 
-    ``casts`` maps the names of ``weight_casts(recipe)`` to ``Fp8Tensor``s of shape ``[N, K]``;
-    ``weight`` only routes the gradient (its values are not read). Bitwise the same as
-    ``linear(x, w_hp, ...)`` when the casts are ``quantize(w_hp, spec)`` for those specs.
+    The next step's state is the **gradient** of ``state`` (flax's "overwrite with gradient"):
+    take ``torch.func.grad`` over it, or make its tensors require grad and read their ``.grad``;
+    the returned ``state`` carries the same values, to thread into a later use of this state in
+    the same step (their amaxes merge into one history entry, by max). Reusing an input state
+    that a call already consumed raises. ``fp8func.nn.Fp8Linear`` and ``fp8func.nn.apply`` do this
+    for a whole model.
+
+    Args:
+        amax_sharding: how ``x``'s (and ``dy``'s) rows are split across ranks, e.g. the
+            data-parallel ranks ``Sharding(dp_mesh, (Shard(0),))``: the recorded amaxes are then
+            reduced over them, so every rank keeps the same state.
+
+    Example:
+        >>> import torch, fp8func as f8
+        >>> x, w = torch.randn(8, 64), torch.randn(32, 64, requires_grad=True)
+        >>> state = f8.LinearScalingState.init(16).requires_grad_()
+        >>> y, _ = f8.linear_delayed(x, w, None, "delayed", state)
+        >>> next_state = torch.autograd.grad(y.sum(), list(state.tensors()))
     """
-    for given, wanted in ((casts, weight_casts(recipe)), (x_casts, activation_casts(recipe))):
-        names = [name for name, _ in wanted]
-        if given is not None and sorted(given) != sorted(names):
-            raise ValueError(f"linear_with_casts: recipe {recipe.name!r} needs casts {names}, got {sorted(given)}.")
-    _check_gemm_shapes(recipe, x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0])
+    p = plan(recipe)
+    if p.delayed is None:
+        raise ValueError(f"linear_delayed: plan {p.name!r} scales dynamically; use fp8func.linear, or a delayed "
+                         "recipe such as 'delayed'.")
+    return fp8_linear(x, weight, bias, p, state=state, amax_sharding=amax_sharding)
 
-    def leaves(group: dict[str, Fp8Tensor] | None, first: str, second: str) -> list:
-        if group is None:
-            return [None] * 4
-        a, b = group[first], group.get(second)
-        return [a.data, a.scale, None if b is None else b.data, None if b is None else b.scale]
 
-    transposes = _forward_transposes(x, weight, recipe, x_casts is not None, casts is not None)
-    return _LinearFn.apply(x, weight, bias, recipe, *leaves(casts, "w", "w_t"), *leaves(x_casts, "x", "x_t"),
-                           transposes)[0]
+def linear_with_casts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe,
+                      casts: dict[str, Fp8Tensor] | None, x_casts: dict[str, Fp8Tensor] | None = None) -> torch.Tensor:
+    """``linear`` with the weight's (and input's) casts made elsewhere; see ``fp8_linear``.
+    Bitwise the same as ``linear(x, w_hp, ...)`` when the casts are ``quantize(w_hp, spec)`` for
+    the specs of ``weight_casts(plan)``."""
+    return fp8_linear(x, weight, bias, recipe, w_casts=casts, x_casts=x_casts)[0]

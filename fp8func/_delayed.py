@@ -1,15 +1,22 @@
 """Delayed scaling as explicit functional state: ``ScalingState`` in, ``ScalingState`` out.
 
 A cast with delayed scaling uses the scale made from the amaxes of *earlier* steps, so the
-tensor is read once: the cast and the new amax come from the same pass (inductor fuses them).
-The state is a pytree (a NamedTuple of tensors) that the caller threads, as in JAX:
+tensor is read once: the cast and the new amax come from the same pass (inductor or the
+``cast_amax`` kernel fuses them). The state is a pytree (a NamedTuple of tensors) that the
+caller threads, as in JAX:
 
-    q, state = quantize(x, spec, state=state)
+    q, state = quantize_delayed(x, spec, state)
 
 Update rule (as TransformerEngine's): the history is shifted by one, newest amax first; the next
 scale is ``compute_scale(max(history))`` ("max") or ``compute_scale(amax)`` ("most_recent").
 A non-finite or zero amax leaves the scale unchanged (the history still records it), so a bad
-step cannot poison the next casts' scale; its own cast still shows the NaN in its data.
+step cannot poison the next casts' scale; its own cast shows the fault (see ``_casts``).
+
+Inside ``linear_delayed`` the states of a layer's three casts follow flax's "overwrite with
+gradient": the new state arrives as the *gradient* of the state input, and a state threaded
+through several uses in one step (``y1, s = linear_delayed(x1, w, ..., s); y2, s =
+linear_delayed(x2, w, ..., s)``) records the max of their amaxes as one history entry
+(``record_merged``). Reusing a state that a call already consumed is refused (``consume``).
 """
 
 from __future__ import annotations
@@ -19,12 +26,14 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
+import weakref
+
 from ._ops import _check_hp, quantize_with_scale
 from ._qtensor import Fp8Tensor
 from ._scaling import AMAX_ALGOS, CastSpec, TensorWise, compute_amax, compute_scale
 from ._sharding import Sharding, reduce_amax
 
-__all__ = ["ScalingState", "LinearScalingState", "quantize_delayed"]
+__all__ = ["ScalingState", "LinearScalingState", "quantize_delayed", "record_merged", "consume", "refresh"]
 
 
 class ScalingState(NamedTuple):
@@ -64,6 +73,25 @@ class LinearScalingState(NamedTuple):
     @staticmethod
     def init(history_len: int = 16, device: torch.device | str | None = None) -> "LinearScalingState":
         return LinearScalingState(*(ScalingState.init(history_len, device) for _ in range(3)))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The six tensors, in order: input, weight, grad_output (history, scale) each."""
+        return tuple(t for st in self for t in st)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "LinearScalingState":
+        """Makes the six tensors require grad (their gradients are the next state), in place."""
+        for t in self.tensors():
+            t.requires_grad_(requires_grad)
+        return self
+
+    @staticmethod
+    def from_tensors(tensors) -> "LinearScalingState":
+        """The inverse of ``tensors()``, e.g. from the gradients of a state."""
+        t = tuple(tensors)
+        if len(t) != 6:
+            raise ValueError(f"LinearScalingState.from_tensors: got {len(t)} tensors; expected 6 (input, weight, "
+                             "grad_output, each history and scale).")
+        return LinearScalingState(ScalingState(t[0], t[1]), ScalingState(t[2], t[3]), ScalingState(t[4], t[5]))
 
 
 def _check_state(state, spec: CastSpec) -> None:
@@ -118,3 +146,62 @@ def next_state(state: ScalingState, amax: torch.Tensor, spec: CastSpec, algo: st
     fresh = compute_scale(basis, spec.dtype, spec.pow2_scales).reshape(1, 1)
     usable = torch.isfinite(basis) & (basis > 0)
     return ScalingState(history, torch.where(usable, fresh, scale))
+
+
+def _rescaled(history: torch.Tensor, basis: torch.Tensor, fallback: torch.Tensor, spec: CastSpec) -> torch.Tensor:
+    """The scale made from ``basis`` (an amax), or ``fallback`` where it is non-finite or zero."""
+    fresh = compute_scale(basis, spec.dtype, spec.pow2_scales).reshape(1, 1)
+    return torch.where(torch.isfinite(basis) & (basis > 0), fresh, fallback)
+
+
+def record_merged(state: ScalingState, incoming: ScalingState, amax: torch.Tensor, spec: CastSpec,
+                  algo: str = "max") -> ScalingState:
+    """The state after one use of ``state`` that cast a tensor of ``amax``, in the backward.
+
+    ``incoming`` is the gradient of the state this use passed on: zeros when no later use in the
+    step read it (then ``amax`` is recorded as a new history entry, ``next_state``), else the
+    state the later uses made (then ``amax`` is merged into its newest entry by max: one entry
+    per step whatever the number of uses, as flax's max-accumulating state gradients). Branch-free,
+    so it traces and vmaps. ``amax`` holds one value (already reduced over any mesh).
+    """
+    amax = amax.reshape(1).float()
+    later = (incoming.scale.reshape(()) > 0)
+    merged_h = torch.cat([torch.maximum(incoming.amax_history[:1], amax), incoming.amax_history[1:]])
+    fresh_h = torch.cat([amax, state.amax_history[:-1]])
+    history = torch.where(later, merged_h, fresh_h)
+    fallback = torch.where(later, incoming.scale, state.scale)
+    # the newest entry after a merge is the max over this step's uses: "most_recent" reads it
+    basis = history.max() if algo == "max" else history[0]
+    return ScalingState(history, _rescaled(history, basis, fallback, spec))
+
+
+# States a linear_delayed call has consumed (eager and torch.func; compiled code is traced once and
+# cannot keep this Python-side record). A state is identified by its input history tensor.
+# Keyed by id (a tensor's == is elementwise), each entry a weak reference that removes itself.
+_CONSUMED: dict[int, weakref.ref] = {}
+
+
+def consume(state: "LinearScalingState", what: str) -> None:
+    """Marks ``state`` consumed by a call, or raises if an earlier call consumed it already.
+
+    A state used twice without threading would receive the sum of both uses' new states as its
+    gradient (autograd adds gradients): garbage. Raises with the fix (as equinox's stale state).
+    """
+    if torch.compiler.is_compiling():
+        return
+    key = state.input.amax_history
+    ref = _CONSUMED.get(id(key))
+    if ref is not None and ref() is key:
+        raise ValueError(
+            f"{what}: this LinearScalingState was already consumed by an earlier call in this step. Thread the "
+            "state instead of reusing it:\n    y1, state = fp8func.linear_delayed(x1, w, None, recipe, state)\n"
+            "    y2, state = fp8func.linear_delayed(x2, w, None, recipe, state)   # not the first call's input state\n"
+            "The next step's state is the gradient of the first call's state input (torch.func.grad over it, or "
+            "its .grad); a state made that way is fresh."
+        )
+    _CONSUMED[id(key)] = weakref.ref(key, lambda _, k=id(key): _CONSUMED.pop(k, None))
+
+
+def refresh(state: "LinearScalingState") -> None:
+    """Forgets that ``state`` was consumed (its tensors now hold the next step's values)."""
+    _CONSUMED.pop(id(state.input.amax_history), None)

@@ -73,6 +73,8 @@ pytree.register_pytree_node(
     lambda q: ((q.data, q.scale), (q.meta, q.dim)),
     lambda children, aux: JaggedFp8Tensor(*children, *aux),
     serialized_type_name="fp8func.JaggedFp8Tensor",
+    flatten_with_keys_fn=lambda q: ([(pytree.GetAttrKey("data"), q.data), (pytree.GetAttrKey("scale"), q.scale)],
+                                    (q.meta, q.dim)),
 )
 optree.register_pytree_node(
     JaggedFp8Tensor,
@@ -120,6 +122,33 @@ def _check_spec(spec: CastSpec, what: str) -> None:
         )
 
 
+@torch.library.custom_op("fp8func::segment_amax", mutates_args=())
+def _segment_amax(xt: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``[E, C]`` fp32 max of ``|xt|`` over each group of rows (0 for an empty group, NaN propagated).
+
+    Groups are contiguous row ranges: a segmented max (one pass, no atomics; a scatter_reduce
+    serialises the many rows that collide on one address on a GPU). ``unsafe``: no validation
+    of the lengths, which would read them on the host (a device sync); ``check_offsets`` did.
+    An op of its own so that vmap (segment_reduce has no batching rule) maps it per example.
+    """
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    return torch.segment_reduce(xt.abs().float(), "max", lengths=counts, axis=0, unsafe=True, initial=0.0)
+
+
+@_segment_amax.register_fake
+def _(xt, offs):
+    return xt.new_empty((offs.shape[0], *xt.shape[1:]), dtype=torch.float32)
+
+
+@_segment_amax.register_vmap
+def _(info, in_dims, xt, offs):
+    def pick(t, d, i):
+        return t if d is None else t.select(d, i)
+
+    return torch.stack([_segment_amax(pick(xt, in_dims[0], i), pick(offs, in_dims[1], i))
+                        for i in range(info.batch_size)]), 0
+
+
 def quantize_jagged(x: torch.Tensor, offs: torch.Tensor, spec: CastSpec, dim: int = 0) -> JaggedFp8Tensor:
     """Casts a 2-D ``x`` with one scale per (group of ``dim``, index of the other dim).
 
@@ -136,14 +165,10 @@ def quantize_jagged(x: torch.Tensor, offs: torch.Tensor, spec: CastSpec, dim: in
     _check_spec(spec, "quantize_jagged")
     if x.ndim != 2 or dim not in (0, 1):
         raise ValueError(f"quantize_jagged: x has shape {tuple(x.shape)} and dim={dim}; expected 2 dims, dim 0 or 1.")
-    xt = x.movedim(dim, 0)  # [rows, C]: groups along rows
+    xt = x.detach().movedim(dim, 0)  # [rows, C]: groups along rows; the payload is not differentiable
     gid = group_ids(offs, xt.shape[0])
-    # Groups are contiguous row ranges: a segmented max (one pass, no atomics; a scatter_reduce
-    # here serialised ~1000 colliding rows per address on the GPU). NaN propagates; an empty
-    # group gives 0, hence the EPS scale. ``unsafe``: no validation of the lengths, which would
-    # read them on the host (a device sync); ``check_offsets`` validated offs already.
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    amax = torch.segment_reduce(xt.abs().float(), "max", lengths=counts, axis=0, unsafe=True, initial=0.0)
+    # an empty group's amax is 0, hence the EPS scale
+    amax = _segment_amax(xt, offs)
     scale = compute_scale(amax, spec.dtype, spec.pow2_scales)  # [E, C]
     data = saturate_cast(xt.float() * _reciprocal(scale)[gid], spec.dtype)
     meta = Fp8Meta(spec.with_granularity(AxisWise(dim)), x.dtype, None)
@@ -195,6 +220,15 @@ def _(a, b, offs):
     if b.ndim == 3:
         return a.new_empty((a.shape[0], b.shape[2]))
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]))
+
+
+@_grouped_mm_fp32_op.register_vmap
+def _(info, in_dims, a, b, offs):
+    def pick(t, d, i):
+        return t if d is None else t.select(d, i)
+
+    return torch.stack([_grouped_mm_fp32_op(*(pick(t, d, i) for t, d in zip((a, b, offs), in_dims)))
+                        for i in range(info.batch_size)]), 0
 
 
 def _kind(a, b) -> str:
@@ -345,12 +379,27 @@ class _GroupedLinearFn(torch.autograd.Function):
             dw = dw.to(w.dtype)
         return dx, dw, None, None
 
+    @staticmethod
+    def vmap(info, in_dims, x, w, offs, recipe):
+        # Per-example semantics, as linear's: each example (e.g. each member of an ensemble of MoE
+        # layers) gets its own scales and groups.
+        def pick(t, d, i):
+            return t if d is None else t.select(d, i)
+
+        outs = [_GroupedLinearFn.apply(pick(x, in_dims[0], i), pick(w, in_dims[1], i), pick(offs, in_dims[2], i),
+                                       recipe) for i in range(info.batch_size)]
+        return torch.stack(outs), 0
+
+
+torch._dynamo.allow_in_graph(_GroupedLinearFn)
+
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
                    recipe: Recipe | str = "rowwise") -> torch.Tensor:
     """FP8 expert layer: ``y[grp] = x[grp] @ w[g].T`` for each group ``g`` of ``offs``; differentiable.
 
-    Works under ``torch.func.grad`` / ``vjp`` and ``torch.compile(fullgraph=True)``.
+    Works under ``torch.func.grad`` / ``vjp`` / ``vmap`` (each example its own scales and groups),
+    ``torch.compile(fullgraph=True)`` and their compositions.
 
     Args:
         x: ``[T, K]`` tokens sorted by expert (bf16 or fp32); the output has its dtype.

@@ -1,4 +1,13 @@
-"""Pure quantize / dequantize: the obviously-right twins every fast kernel is tested against."""
+"""Pure quantize / dequantize: the obviously-right twins every fast kernel is tested against.
+
+Gradients: the FP8 payload of a cast is not differentiable. ``quantize`` returns an
+``Fp8Tensor`` whose data and scale are detached, so ``dequantize(quantize(x))`` has no gradient
+path to ``x`` (differentiating through a rounding to FP8 would give neither the true derivative,
+which is zero almost everywhere, nor a useful estimate). ``fake_quantize`` is the differentiable
+form for quantization-aware code: its value is ``dequantize(quantize(x))``, bitwise, and its
+gradient is the straight-through estimator (the identity). ``linear``'s gradients are its own
+FP8 backward, independent of this rule.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +28,7 @@ from ._scaling import (
     split_groups,
 )
 
-__all__ = ["quantize", "quantize_with_scale", "dequantize"]
+__all__ = ["quantize", "quantize_with_scale", "dequantize", "fake_quantize"]
 
 
 def _check_hp(x: torch.Tensor, what: str) -> None:
@@ -37,6 +46,16 @@ def _check_finite(x: torch.Tensor) -> None:
             "quantize(..., check_finite=True) reads the tensor on the host and cannot run under "
             "torch.compile; call it eagerly (it is a debugging aid) or drop check_finite."
         )
+    if x.dtype == torch.float64:
+        # The scales and the cast are fp32: a float64 value beyond fp32's range becomes inf there.
+        big = x.abs() > torch.finfo(torch.float32).max
+        if bool(big.any()):
+            first = tuple(int(i) for i in big.nonzero()[0])
+            raise ValueError(
+                f"quantize: float64 input of shape {tuple(x.shape)} has {int(big.sum())} value(s) beyond the float32 "
+                f"range, first {x[first].item()} at index {first}; fp8func computes scales in float32, where "
+                "they overflow to inf. Rescale the tensor into float32's range first."
+            )
     bad = ~torch.isfinite(x)
     n_bad = int(bad.sum())
     if n_bad:
@@ -83,8 +102,8 @@ def quantize_with_scale(
             f"quantize_with_scale: scale has shape {tuple(scale.shape)} and dtype {scale.dtype}; "
             f"{spec.granularity!r} on shape {tuple(x.shape)} needs float32 scales of shape {want}."
         )
-    data = saturate_cast(_apply_scale(x, _reciprocal(scale), blocks), spec.dtype)
-    return Fp8Tensor(data, scale, Fp8Meta(spec, x.dtype, sharding))
+    data = saturate_cast(_apply_scale(x.detach(), _reciprocal(scale.detach()), blocks), spec.dtype)
+    return Fp8Tensor(data, scale.detach(), Fp8Meta(spec, x.dtype, sharding))
 
 
 def quantize(
@@ -94,13 +113,11 @@ def quantize(
     sharding: Sharding | tuple[Sharding, ...] | None = None,
     check_finite: bool = False,
     state=None,
-    algo: str = "max",
-):
+) -> Fp8Tensor:
     """Quantizes ``x`` to FP8 with scales computed from its own amax (dynamic scaling).
 
-    With ``state`` (a ``ScalingState``): delayed scaling. ``x`` is cast with ``state.scale``
-    (made from earlier amaxes) and the call returns ``(Fp8Tensor, new_state)`` with ``x``'s amax
-    recorded; pure, the caller threads the state (see ``fp8func._delayed``).
+    Returns an ``Fp8Tensor``, always; its payload is not differentiable (module docstring).
+    Delayed scaling, which threads a state, is ``quantize_delayed``.
 
     ``scale = max(amax, EPS) * (1 / fp8_max)`` per group (rounded up to a power of two when
     ``spec.pow2_scales``), ``data = saturate(x * (1 / scale))``. Values beyond the range saturate at
@@ -126,14 +143,11 @@ def quantize(
     if check_finite:
         _check_finite(x)
     if state is not None:
-        from ._delayed import quantize_delayed  # the delayed layer sits on top of this one
-
-        if isinstance(sharding, tuple):
-            raise ValueError("quantize(state=...): one Sharding at most for delayed scaling.")
-        return quantize_delayed(x, spec, state, sharding=sharding, algo=algo)
+        raise TypeError("quantize returns an Fp8Tensor and scales dynamically; for delayed scaling call "
+                        "fp8func.quantize_delayed(x, spec, state) -> (Fp8Tensor, new_state).")
     if isinstance(x, DTensor):  # DTensor ops reduce the amax globally; a block must not straddle shards
         check_blocks_within_shards(x, spec.granularity)
-    amax = compute_amax(x, spec.granularity)
+    amax = compute_amax(x.detach(), spec.granularity)
     shardings = () if sharding is None else (sharding,) if isinstance(sharding, Sharding) else tuple(sharding)
     for sh in shardings:  # nested shardings (FSDP over TP): reduce over each one's split dims
         amax = reduce_amax(amax, sh.mesh, sh.amax_mesh_dims(spec.granularity, tuple(x.shape)))
@@ -150,3 +164,48 @@ def dequantize(q: Fp8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         raise TypeError(f"dequantize: expected an Fp8Tensor, got {type(q).__name__}.")
     out = _apply_scale(q.data, q.scale, q.blocks)
     return out.to(q.meta.orig_dtype if dtype is None else dtype)
+
+
+class _FakeQuantizeFn(torch.autograd.Function):
+    """``dequantize(quantize(x))`` with the identity as its gradient (straight-through)."""
+
+    @staticmethod
+    def forward(x, spec: CastSpec):
+        return dequantize(quantize(x, spec))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, spec):
+        # each example its own scales, as quantize of one example
+        outs = [_FakeQuantizeFn.apply(x.select(in_dims[0], i), spec) for i in range(info.batch_size)]
+        return torch.stack(outs), 0
+
+
+torch._dynamo.allow_in_graph(_FakeQuantizeFn)
+
+
+def fake_quantize(x: torch.Tensor, spec: CastSpec) -> torch.Tensor:
+    """``dequantize(quantize(x, spec))``, bitwise, with a straight-through gradient (the identity).
+
+    The differentiable form of a round trip through FP8, for quantization-aware code; ``quantize``
+    itself returns a non-differentiable payload. Works under ``torch.func`` transforms and
+    ``torch.compile``.
+
+    Example:
+        >>> import torch, fp8func as f8
+        >>> x = torch.randn(4, 32, requires_grad=True)
+        >>> f8.fake_quantize(x, f8.CastSpec()).sum().backward()
+        >>> bool((x.grad == 1).all())
+        True
+    """
+    _check_hp(x, "fake_quantize")
+    if not isinstance(spec, CastSpec):
+        raise TypeError(f"fake_quantize: spec={spec!r} is not a CastSpec; e.g. fp8func.CastSpec(dtype=fp8func.E4M3).")
+    return _FakeQuantizeFn.apply(x, spec)

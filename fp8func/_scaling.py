@@ -63,6 +63,14 @@ class AxisWise:
 
     axis: int = -1
 
+    def __post_init__(self):
+        _check_int(self.axis, f"AxisWise(axis={self.axis!r})", "e.g. AxisWise(-1) (one scale per row)")
+
+
+def _check_int(value, where: str, example: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{where}: expected an int, got {type(value).__name__}; {example}.")
+
 
 @dataclass(frozen=True)
 class BlockWise:
@@ -76,7 +84,7 @@ class BlockWise:
 
     def __post_init__(self):
         if not isinstance(self.block, tuple) or not self.block or not all(
-            isinstance(b, int) and b > 0 for b in self.block
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in self.block
         ):
             raise ValueError(
                 f"BlockWise(block={self.block!r}) needs a non-empty tuple of positive ints, "
@@ -96,8 +104,9 @@ class MX:
     axis: int = -1
 
     def __post_init__(self):
-        if not isinstance(self.block, int) or self.block <= 0:
+        if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block <= 0:
             raise ValueError(f"MX(block={self.block!r}) needs a positive int block, e.g. MX(block=32).")
+        _check_int(self.axis, f"MX(axis={self.axis!r})", "e.g. MX(block=32, axis=-1)")
 
 
 Granularity = Union[TensorWise, AxisWise, BlockWise, MX]
@@ -260,7 +269,9 @@ class CastSpec:
             )
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "granularity", granularity)
-        object.__setattr__(self, "power_of_2", bool(power_of_2))
+        if not isinstance(power_of_2, bool):
+            raise TypeError(f"CastSpec(power_of_2={power_of_2!r}): expected True or False.")
+        object.__setattr__(self, "power_of_2", power_of_2)
 
     @property
     def pow2_scales(self) -> bool:
@@ -272,6 +283,10 @@ class CastSpec:
 
 
 PATHS = ("auto", "hardware", "emulated")
+# Which casts run the fused kernels of ``fp8func.kernels``: "auto" (CUDA tensors), "off" (always
+# ``quantize``) or "reference" (the kernels' PyTorch twins on every device, which tests the kernel
+# plumbing on a CPU). The same bits every way.
+KERNEL_MODES = ("auto", "off", "reference")
 AMAX_ALGOS = ("max", "most_recent")
 
 
@@ -295,7 +310,7 @@ class DelayedScaling:
     weight: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.history_len, int) or self.history_len < 1:
+        if not isinstance(self.history_len, int) or isinstance(self.history_len, bool) or self.history_len < 1:
             raise ValueError(f"DelayedScaling(history_len={self.history_len!r}): expected an int >= 1.")
         if self.algo not in AMAX_ALGOS:
             raise ValueError(f"DelayedScaling(algo={self.algo!r}): expected one of {AMAX_ALGOS}.")
@@ -332,6 +347,11 @@ class Recipe:
             periodic promotion to fp32 (``use_fast_accum``). Faster (3.5x for the row-wise grouped
             GEMM on an H200, docs/moe.md), less precise for long contractions; the emulated path
             ignores it. Empty by default: every GEMM promotes.
+        kernels: which casts run the fused Triton kernels: "auto" (CUDA tensors), "off", or
+            "reference" (the kernels' PyTorch twins everywhere; the same bits, for tests).
+
+    A ``Recipe`` names casts by role; ``fp8func.plan(recipe)`` turns it into the per-GEMM
+    ``LinearPlan`` that ``linear`` runs (and that mixed recipes are written as directly).
     """
 
     input: CastSpec = dataclasses.field(default_factory=lambda: CastSpec(E4M3))
@@ -343,8 +363,10 @@ class Recipe:
     name: str = "custom"
     delayed: DelayedScaling | None = None
     fast_accum: tuple[str, ...] = ()
+    kernels: str = "auto"
 
     def __post_init__(self):
+        _check_recipe_fields(self)
         if not isinstance(self.fast_accum, tuple) or not set(self.fast_accum) <= set(GEMMS):
             raise ValueError(f"Recipe(fast_accum={self.fast_accum!r}): expected a tuple of GEMM names from {GEMMS}, "
                              "e.g. fast_accum=('output',).")
@@ -362,6 +384,8 @@ class Recipe:
                 )
         if self.path not in PATHS:
             raise ValueError(f"Recipe(path={self.path!r}): expected one of {PATHS}.")
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"Recipe(kernels={self.kernels!r}): expected one of {KERNEL_MODES}.")
 
     @staticmethod
     def from_name(name: str, **overrides) -> "Recipe":
@@ -381,6 +405,20 @@ class Recipe:
     @property
     def weight_for_grad_input(self) -> CastSpec:
         return self.grad_input_weight if self.grad_input_weight is not None else self.weight
+
+
+def _check_recipe_fields(recipe: Recipe) -> None:
+    """Type checks of the fields a dataclass does not check itself, with the value and the fix."""
+    for field, want, example in (("grad_weight_hp", bool, "True or False"), ("name", str, "a label"),
+                                 ("path", str, f"one of {PATHS}"), ("kernels", str, f"one of {KERNEL_MODES}")):
+        value = getattr(recipe, field)
+        if not isinstance(value, want):
+            raise TypeError(f"Recipe({field}={value!r}): expected {want.__name__} ({example}).")
+    if recipe.grad_input_weight is not None and not isinstance(recipe.grad_input_weight, CastSpec):
+        raise TypeError(f"Recipe(grad_input_weight={recipe.grad_input_weight!r}): expected a CastSpec or None.")
+    if recipe.delayed is not None and not isinstance(recipe.delayed, DelayedScaling):
+        raise TypeError(f"Recipe(delayed={recipe.delayed!r}): expected a DelayedScaling or None, "
+                        "e.g. DelayedScaling(history_len=16).")
 
 
 def _named_recipes() -> dict[str, Recipe]:

@@ -6,6 +6,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import fp8func as f8
+from fp8func._scaling import block_lengths
 
 from .dist_harness import run_workers
 
@@ -31,7 +32,7 @@ def _gather_equals_full(rank, world_size, rows, sizes_by_case):
                 x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(gi)) * 3
                 x = x if dim == 0 else x.t().contiguous()
                 try:
-                    blocks = f8.Fp8Tensor(x, x, f8.Fp8Meta(spec, x.dtype)).blocks
+                    blocks = block_lengths(spec.granularity, tuple(x.shape))
                 except ValueError:
                     continue  # this granularity does not tile this shape
                 blocked = blocks[dim] is not None and blocks[dim] > 1
@@ -84,20 +85,16 @@ def _kernel_delayed_cast_is_quantize_delayed(shard, x, sharding) -> bool:
     """The delayed cast of a shard through ``kernels.cast_amax`` (its twin here) records the
     mesh-reduced amax: the same cast, new state and meta as ``quantize(state=..., sharding=...)``,
     and the history's newest entry is the full tensor's amax on every rank."""
-    import fp8func._casts as casts_mod
-    from fp8func._delayed import ScalingState, quantize_delayed
-    from fp8func._delayed_linear import _cast_delayed
+    from fp8func._casts import _cast_delayed
+    from fp8func._delayed import ScalingState, next_state, quantize_delayed
 
     spec = f8.CastSpec()
     state = ScalingState.from_tensor(x * 0.25, spec, 4)  # saturates: x is 4x larger
-    before, casts_mod.KERNELS = casts_mod.KERNELS, "reference"
-    try:
-        q, q_t, new = _cast_delayed(shard, spec, state, "max", sharding, transpose=True)
-    finally:
-        casts_mod.KERNELS = before
+    q, q_t, amax = _cast_delayed(shard, spec, state.scale, transpose=True, kernels="reference")
+    new = next_state(state, amax, spec, "max", sharding, tuple(shard.shape))
     want, want_new = quantize_delayed(shard, spec, state, sharding=sharding)
     return (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
-            and q.meta == want.meta
+            and q.meta.spec == want.meta.spec
             and torch.equal(q_t.data.view(torch.uint8), want.data.t().contiguous().view(torch.uint8))
             and all(torch.equal(a, b) for a, b in zip(new, want_new))
             and new.amax_history[0] == x.abs().max() and new.amax_history[1] == (x * 0.25).abs().max())
@@ -108,12 +105,8 @@ def _kernel_cast_is_quantize(shard, spec, sharding) -> bool:
     the reduced scale; FSDP2's pre-all-gather and the TP sequence gather use it) is ``quantize``."""
     import fp8func._casts as casts_mod
 
-    before, casts_mod.KERNELS = casts_mod.KERNELS, "reference"
-    try:
-        tensorwise = isinstance(spec.granularity, f8.TensorWise)
-        q, q_t = casts_mod._cast(shard, spec, transpose=tensorwise, sharding=(sharding,))
-    finally:
-        casts_mod.KERNELS = before
+    tensorwise = isinstance(spec.granularity, f8.TensorWise)
+    q, q_t = casts_mod._cast(shard, spec, transpose=tensorwise, sharding=(sharding,), kernels="reference")
     want = f8.quantize(shard, spec, sharding=sharding)
     same = (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
             and q.meta == want.meta)
@@ -228,16 +221,16 @@ def _dtensor_casts(rank, world_size):
     calls = {"reference": 0, "off": 0}
     orig = casts_mod._cast_dtensor
 
-    def counted(*a, **k):
-        calls[casts_mod.KERNELS] += 1
-        return orig(*a, **k)
+    def counted(t, spec, transpose, kernels):
+        calls[kernels] += 1
+        return orig(t, spec, transpose, kernels)
 
     def run(mode, fn):
-        before, casts_mod.KERNELS, casts_mod._cast_dtensor = casts_mod.KERNELS, mode, counted
+        casts_mod._cast_dtensor = counted
         try:
-            return fn()
+            return fn(mode)
         finally:
-            casts_mod.KERNELS, casts_mod._cast_dtensor = before, orig
+            casts_mod._cast_dtensor = orig
 
     def full(t):
         return t.full_tensor() if isinstance(t, DTensor) else t
@@ -247,8 +240,8 @@ def _dtensor_casts(rank, world_size):
         for gran in (f8.TensorWise(), f8.AxisWise(-1)):
             spec = f8.CastSpec(granularity=gran)
             transpose = isinstance(gran, f8.TensorWise)
-            ours = run("reference", lambda: casts_mod._cast(d, spec, transpose))
-            plain = run("off", lambda: casts_mod._cast(d, spec, transpose))
+            ours = run("reference", lambda mode: casts_mod._cast(d, spec, transpose, kernels=mode))
+            plain = run("off", lambda mode: casts_mod._cast(d, spec, transpose, kernels=mode))
             for a, b in zip(ours, plain):
                 if a is None:
                     continue
@@ -266,9 +259,9 @@ def _dtensor_casts(rank, world_size):
         for mode in ("reference", "off"):
             xd = DTensor.from_local(x[:6].clone(), mesh, [Replicate()], run_check=False).requires_grad_()
             wd = DTensor.from_local(w.chunk(2, 0)[rank].clone(), mesh, [Shard(0)], run_check=False).requires_grad_()
-            y = run(mode, lambda: f8.linear(xd, wd, recipe=recipe))
+            y = run(mode, lambda m: f8.linear(xd, wd, recipe=f8.Recipe.from_name(recipe, kernels=m)))
             dy_local = dy.chunk(2, 1)[rank].contiguous()
-            run(mode, lambda: y.backward(DTensor.from_local(dy_local, mesh, [Shard(1)], run_check=False)))
+            run(mode, lambda m: y.backward(DTensor.from_local(dy_local, mesh, [Shard(1)], run_check=False)))
             outs[mode] = [full(t) for t in (y, xd.grad, wd.grad)]
         if not all(torch.equal(a, b) for a, b in zip(outs["reference"], outs["off"])):
             bad.append(("linear", recipe))

@@ -158,11 +158,11 @@ def test_linear_errors():
         f8.linear(x, w, torch.randn(31))
     with pytest.raises(ValueError, match="unknown recipe; expected one of"):
         f8.linear(x, w, recipe="fp4")
-    with pytest.raises(TypeError, match="expected a Recipe or a recipe name"):
+    with pytest.raises(TypeError, match="expected a Recipe, a LinearPlan or a recipe name"):
         f8.linear(x, w, recipe=3)
-    with pytest.raises(ValueError, match=r"recipe 'blockwise' on M=4, K=64, N=32: the input x cast cannot tile"):
+    with pytest.raises(ValueError, match=r"plan 'blockwise' on M=4, K=64, N=32: the output GEMM's input x cast cannot tile"):
         f8.linear(x, w, recipe="blockwise")
-    with pytest.raises(ValueError, match=r"grad_output dy.T \(grad_weight GEMM\) cast cannot tile its operand"):
+    with pytest.raises(ValueError, match=r"the grad_weight GEMM's grad_output dy.T cast cannot tile its operand"):
         f8.linear(torch.randn(64, 128), torch.randn(128, 128), recipe="blockwise")
 
 
@@ -178,9 +178,8 @@ def test_no_grad_forward_and_partial_grads():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8"])
 def test_linear_through_the_kernel_twins_is_bitwise_the_plain_casts(recipe, monkeypatch):
-    """KERNELS="reference" routes every cast that has a fused kernel through the kernel dispatch
+    """kernels="reference" routes every cast that has a fused kernel through the kernel dispatch
     (its PyTorch twin here; the Triton kernel on a GPU, tests/test_gpu.py): same bits."""
-    import fp8func._casts as casts_mod
     import fp8func.kernels as kernels
 
     calls = []
@@ -192,9 +191,8 @@ def test_linear_through_the_kernel_twins_is_bitwise_the_plain_casts(recipe, monk
     dy = torch.randn(2, 128, 384, generator=g).bfloat16()
     runs = {}
     for mode in ("off", "reference"):
-        monkeypatch.setattr(casts_mod, "KERNELS", mode)
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = f8.linear(xx, ww, recipe=recipe)
+        y = f8.linear(xx, ww, recipe=f8.Recipe.from_name(recipe, kernels=mode))
         y.backward(dy)
         runs[mode] = (y, xx.grad, ww.grad)
     # x, w and dy (with its transpose) go through the kernels; MX has no kernel

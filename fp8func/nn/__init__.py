@@ -1,5 +1,8 @@
 """The stateful shell: modules that hold parameters and a recipe and call the pure functions."""
 
+from ._apply import apply as apply
+from ._apply import next_states as next_states
+from ._apply import scaling_states as scaling_states
 from ._checkpoint import checkpoint_context as checkpoint_context
 from ._convert import LayerReport as LayerReport
 from ._convert import Report as Report
@@ -19,5 +22,5 @@ from ._verify import Verification as Verification
 from ._verify import verify as verify
 
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MasterWeights", "MoE", "NumericsStats",
-           "PrecisionSchedule", "Report", "Router", "Verification", "checkpoint_context", "convert", "report",
-           "tensor_stats", "verify"]
+           "PrecisionSchedule", "Report", "Router", "Verification", "apply", "checkpoint_context", "convert",
+           "next_states", "report", "scaling_states", "tensor_stats", "verify"]

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._autograd import linear, linear_with_casts
-from .._delayed import LinearScalingState, ScalingState
-from .._delayed_linear import linear_delayed
+from .._autograd import fp8_linear
+from .._delayed import LinearScalingState, ScalingState, refresh
 from .._gathered import gathered_casts
 from .._scaling import Recipe
-from ._checkpoint import current_phase
 from ..distributed._fp8_weights import Fp8WeightParam, check_fp8_weights_recipe
 from ..distributed._fsdp import Fp8AllGatherWeight
 
@@ -32,12 +32,15 @@ class Fp8Linear(nn.Linear):
 
     With a delayed-scaling recipe (``"delayed"``) the layer holds its ``LinearScalingState`` as
     buffers (``fp8_{x,w,dy}_{history,scale}``: in the state_dict and checkpoints, never seen by
-    the optimizer). Each training forward records the input and weight amaxes; the backward's
-    grad_output state arrives as the gradient of the ``fp8_dy_*`` buffers and is written into
-    them as soon as it is accumulated (a post-accumulate-grad hook). Eval forwards use the
-    state without changing it. The input and weight buffers are replaced by new tensors at each
-    training forward (never written in place). With ``DelayedScaling(weight=False)`` the weight is
-    cast dynamically (its buffers stay as initialized) and FSDP2 can all-gather it in FP8.
+    the optimizer). The forward casts with them and never changes them; the next step's state
+    arrives as their gradient in the backward ("overwrite with gradient") and is written into
+    them as soon as it is accumulated (a post-accumulate-grad hook). So activation checkpointing
+    recomputes exactly the forward's casts, and a forward without a backward (evaluation)
+    changes nothing. A layer called several times before a backward threads its state from one
+    call to the next, and the amaxes of the calls merge, by max, into one history entry. With
+    ``DelayedScaling(weight=False)`` the weight is cast dynamically (its buffers stay as
+    initialized) and FSDP2 can all-gather it in FP8. Under ``torch.func`` transforms, use
+    ``fp8func.nn.apply``, which passes the states in and out explicitly.
 
     Example:
         >>> layer = Fp8Linear(4096, 4096, recipe=fp8func.Recipe.from_name("rowwise"))
@@ -47,6 +50,8 @@ class Fp8Linear(nn.Linear):
     fp8_weights = False  # True: the weight is an Fp8WeightParam (convert(..., fp8_weights=True))
     fp8_enabled = True  # False: plain F.linear in high precision (PrecisionSchedule's bf16 phases)
     amax_sharding = None  # delayed scaling: how the tokens are split over ranks (share_scaling_state)
+    _pending: LinearScalingState | None = None  # delayed: the state passed on by the last call before a backward
+    _in_apply = False  # fp8func.nn.apply is running the model: states are explicit, no hooks
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  recipe: Recipe | str = "tensorwise", fsdp_fp8_all_gather: bool = True, fp8_weights: bool = False):
@@ -74,18 +79,31 @@ class Fp8Linear(nn.Linear):
         self._hook_grad_output_state()
 
     def _hook_grad_output_state(self) -> None:
-        """The grad_output state comes back as a gradient: write it into the buffer, drop the grad."""
-        for t in (getattr(self, "fp8_dy_history", None), getattr(self, "fp8_dy_scale", None)):
-            if t is None or t.is_meta or getattr(t, "_fp8func_hooked", False):
-                continue
-            t.requires_grad_(True)
-            t.register_post_accumulate_grad_hook(_apply_state_grad)
-            t._fp8func_hooked = True
+        """The next state comes back as the gradient of the state buffers: write it into them.
+
+        Hooks live on tensors and are not copied with them, so the layer remembers (weakly) which
+        of its current buffers it hooked: a deepcopy, a pickle or ``.to()`` hooks the new ones."""
+        hooked = [r for r in self.__dict__.get("_hooked_state", ()) if r() is not None]
+        for name in self._STATE:
+            for t in (getattr(self, f"fp8_{name}_history", None), getattr(self, f"fp8_{name}_scale", None)):
+                if t is None or t.is_meta or any(r() is t for r in hooked):
+                    continue
+                t.requires_grad_(True)
+                t.register_post_accumulate_grad_hook(_StateGradHook(self))
+                hooked.append(weakref.ref(t))
+        self._hooked_state = tuple(hooked)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         self._hook_grad_output_state()  # .to() / .cuda() / to_empty() make new buffer tensors
         return out
+
+    def __getstate__(self):
+        # The state passed on between calls belongs to one autograd graph: never copied or saved.
+        state = dict(self.__dict__)
+        state.pop("_pending", None)
+        state.pop("_hooked_state", None)  # weak references to this layer's own tensors
+        return state
 
     def scaling_state(self) -> LinearScalingState | None:
         """The layer's delayed-scaling state (views of its buffers), or None for dynamic scaling."""
@@ -135,7 +153,7 @@ class Fp8Linear(nn.Linear):
                     "without fp8_weights for tensor parallel alone."
                 )
             # Outside FSDP2: the stored casts (staged values are quantized now, whole-tensor amax).
-            return linear_with_casts(x, w, self.bias, self.recipe, local.casts(), gathered_casts(x))
+            return fp8_linear(x, w, self.bias, self.recipe, w_casts=local.casts(), x_casts=gathered_casts(x))[0]
         if w_casts is not None and "w" not in local.valid:
             raise RuntimeError(
                 "fp8func: this layer's forward ran while FSDP2 held only its backward (grad_input) "
@@ -145,55 +163,21 @@ class Fp8Linear(nn.Linear):
                 "recipe, or convert(..., fsdp_fp8_all_gather=False)."
             )
         x_casts = gathered_casts(x)
-        if self.recipe.delayed is not None:
-            if x_casts is not None or (w_casts is not None and self.recipe.delayed.weight):
-                raise ValueError("fp8func: delayed scaling casts the input (and, unless DelayedScaling(weight=False), "
-                                 "the weight) itself; use the stock TP styles, and fsdp_fp8_all_gather=False or "
-                                 "DelayedScaling(weight=False) with a delayed recipe.")
-            if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
-                self._hook_grad_output_state()  # (under torch.func the caller threads the state)
-            state = self.scaling_state()
-            if self.training and not torch.compiler.is_compiling():
-                replayed = self._checkpoint_state(state)
-                if replayed is not None:  # a recomputation: the forward's own state, nothing recorded
-                    return linear_delayed(x, w, self.bias, self.recipe, replayed, self.amax_sharding, w_casts)[0]
-            y, new = linear_delayed(x, w, self.bias, self.recipe, state, self.amax_sharding, w_casts)
-            if self.training:
-                # Rebind, not copy_: the backward may read the old tensors (a compiled backward
-                # recomputes cheap ops from the forward's inputs), so they must stay unchanged.
-                recorded = self._STATE[:2] if self.recipe.delayed.weight else self._STATE[:1]
-                for name, st in zip(recorded, new[:2]):
-                    setattr(self, f"fp8_{name}_history", st.amax_history.detach())
-                    setattr(self, f"fp8_{name}_scale", st.scale.detach())
-            return y
-        if w_casts is None and x_casts is None:
-            return linear(x, w, self.bias, self.recipe)
-        return linear_with_casts(x, w, self.bias, self.recipe, w_casts, x_casts)
-
-    def _checkpoint_state(self, state: LinearScalingState) -> LinearScalingState | None:
-        """Activation checkpointing (``fp8func.nn.checkpoint_context``): stashes ``state`` in the
-        first forward of a checkpointed region and returns it to the recomputation (None
-        otherwise). A recomputation without the context raises: the state has moved on since."""
-        phase = current_phase()
-        if phase is not None and phase.mode == "replay":
-            pending = phase.stash.get(id(self))
-            if not pending:
-                raise RuntimeError("fp8func: a delayed-scaling layer is recomputed by activation checkpointing "
-                                   "but its first forward ran outside checkpoint_context; pass the same "
-                                   "context_fn=fp8func.nn.checkpoint_context to every checkpoint around it.")
-            return pending.pop(0)
-        if phase is not None and phase.mode == "record":
-            phase.stash.setdefault(id(self), []).append(state)
-        elif torch._C._current_graph_task_id() != -1:  # a training forward inside a backward
-            raise RuntimeError(
-                "fp8func: a delayed-scaling Fp8Linear ran its training forward inside a backward pass "
-                "(activation checkpointing recomputing it): its scaling state moved on after the first "
-                "forward, so the recomputed casts would differ from the forward's. Checkpoint with "
-                "torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, "
-                "context_fn=fp8func.nn.checkpoint_context) (HF: gradient_checkpointing_kwargs="
-                "{'use_reentrant': False, 'context_fn': fp8func.nn.checkpoint_context}), or use a "
-                "dynamic recipe.")
-        return None
+        if self.recipe.delayed is None:
+            return fp8_linear(x, w, self.bias, self.recipe, w_casts=w_casts, x_casts=x_casts)[0]
+        if not self._in_apply and not torch.compiler.is_compiling():
+            if torch._C._functorch.peek_interpreter_stack() is not None:
+                raise RuntimeError(
+                    "fp8func: a delayed-scaling Fp8Linear ran under a torch.func transform with its state in buffers, "
+                    "where the state's update (its gradient) would be lost. Run the model with fp8func.nn.apply("
+                    "model, params, states, *args) and differentiate with respect to the states too.")
+            self._hook_grad_output_state()
+        state = self._pending if self._pending is not None else self.scaling_state()
+        y, passed = fp8_linear(x, w, self.bias, self.recipe, state=state, w_casts=w_casts, x_casts=x_casts,
+                               amax_sharding=self.amax_sharding)
+        if torch.is_grad_enabled():
+            self._pending = passed
+        return y
 
     def extra_repr(self) -> str:
         fp8_weights = ", fp8_weights=True" if self.fp8_weights else ""
@@ -209,7 +193,20 @@ def _check_fp8_weights(recipe: Recipe, fsdp_fp8_all_gather: bool) -> None:
 
 
 
-def _apply_state_grad(t: torch.Tensor) -> None:
-    with torch.no_grad():
-        t.copy_(t.grad)
-    t.grad = None
+class _StateGradHook:
+    """Writes a state buffer's gradient (its next value) into it, and ends the layer's step: the
+    state is fresh again and no call's state is pending."""
+
+    def __init__(self, layer: Fp8Linear):
+        self._layer = weakref.ref(layer)
+
+    def __call__(self, t: torch.Tensor) -> None:
+        if t.grad is None:  # compiled code may accumulate no gradient into a buffer it did not read
+            return
+        with torch.no_grad():
+            t.copy_(t.grad)
+        t.grad = None
+        layer = self._layer()
+        if layer is not None:
+            layer._pending = None
+            refresh(layer.scaling_state())
