@@ -101,7 +101,11 @@ def test_doc_block_runs(block: Block, tmp_path, monkeypatch):
                 except Exception as e:  # the earlier block's own item reports it
                     pytest.skip(f"needs {earlier.id}, which failed: {type(e).__name__}: {e}")
                 _RAN[block.path].add(earlier.line)
-    _run(block, ns)
+    try:
+        _run(block, ns)
+    except Exception as e:
+        raise AssertionError(f"the Python block at {block.id} raised {type(e).__name__}: {e}. Make it run "
+                             f"on a CPU as written, or mark it '<!-- skip: reason -->' (see tests/test_docs.py)") from e
     _RAN[block.path].add(block.line)
 
 
