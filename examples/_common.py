@@ -50,8 +50,8 @@ def submesh(mesh, name: str):
 
     torch 2.13's ``mesh["tp"]`` builds a new DeviceMesh on every call. DTensors that carry equal
     but distinct meshes (a second model built in the same process, whose DTensor ops may also hit
-    sharding-propagation cache entries made with the first model's mesh) made a compiled layer
-    fail in inductor: ``device_mesh._get_submesh is not an OpOverload`` (docs/benchmarks.md)."""
+    sharding-propagation cache entries made with the first model's mesh) make a compiled layer
+    fail in inductor: ``device_mesh._get_submesh is not an OpOverload`` (docs/tp.md)."""
     root, sub = _SUBMESHES.get((id(mesh), name), (None, None))
     if root is not mesh:
         sub = mesh[name]

@@ -1,4 +1,4 @@
-"""The seed scenario: does turning the FSDP2 fp8 all-gather on change the loss?
+"""Does turning the FSDP2 fp8 all-gather on change the loss? (In torchao it does.)
 
 Qwen3 built from a config (no download), fp32 master weights, FSDP2
 ``MixedPrecisionPolicy(param_dtype=bf16)``, tensorwise FP8. For fp8func and for torchao, train

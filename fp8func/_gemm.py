@@ -157,7 +157,7 @@ def _rowwise_out_dtype_ok(device: torch.device, out_dtype: torch.dtype) -> bool:
     """Whether row-wise ``torch._scaled_mm`` writes ``out_dtype`` itself.
 
     On sm90 with cuBLAS >= 12.9, torch runs row-wise scaling in cuBLAS, which writes fp32 too
-    (seen on an H200, torch 2.11+cu130). Elsewhere (sm89, sm100 with row-wise scales, older
+    (H200, torch 2.11+cu130). Elsewhere (sm89, sm100 with row-wise scales, older
     CUDA) torch uses CUTLASS kernels that write bf16/fp16 only.
     """
     if device.type != "cuda" or out_dtype in (torch.bfloat16, torch.float16):
@@ -304,10 +304,10 @@ def _gemm_sharded(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, path: str,
             )
         out.append(rule)
     if torch.compiler.is_compiling() and la.data.ndim == 2:
-        # Traced, a DTensor's local tensor can claim strides the real one lacks (torch 2.11,
-        # H200: a column-major local of a transposed cast traced as row-major, so _row_major
-        # kept it and scaled_mm's meta check failed in the lazily compiled backward). Copies fix
-        # the layouts whatever the trace believed; eager reads the real strides instead.
+        # Traced, a DTensor's local tensor can claim strides the real one lacks (torch 2.11: a
+        # column-major local of a transposed cast can trace as row-major, so _row_major would keep
+        # it and scaled_mm's meta check fail in the lazily compiled backward). Copies fix the
+        # layouts whatever the trace believes; eager reads the real strides instead.
         la = Fp8Tensor(la.data.clone(memory_format=torch.contiguous_format), la.scale, la.meta)
         lb = Fp8Tensor(lb.data.t().clone(memory_format=torch.contiguous_format).t(), lb.scale, lb.meta)
     local = gemm(la, lb, out_dtype, path=path, fast_accum=fast_accum)

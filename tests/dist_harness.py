@@ -33,8 +33,8 @@ def _entry(rank, fn, world_size, workdir, args):
         print(f"[harness] rank {rank}: saved", flush=True)
     # The rank's work is done, checked and saved. Leave without interpreter teardown: a background
     # thread of torch's collectives can still be joinable then, and its destructor aborts the
-    # process ("terminate called without an active exception"), seen intermittently on gloo
-    # after sequence-parallel runs, after every result was saved.
+    # process ("terminate called without an active exception"), intermittently on gloo after
+    # sequence-parallel runs, with every result already saved.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -116,3 +116,17 @@ def test_api_reference_lists_every_public_name():
                         ("fp8func.kernels", kernels)):
         missing = [n for n in mod.__all__ if f"### `{prefix}.{n}" not in api]
         assert not missing, f"docs/api.md lacks {missing}: run python docs/make_api.py"
+
+
+def test_api_reference_is_what_make_api_writes():
+    """docs/api.md is generated: signatures and first docstring paragraphs as the code has them."""
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("make_api", root / "docs" / "make_api.py")
+    make_api = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_api)
+    written = (root / "docs" / "api.md").read_text().splitlines()
+    current = make_api.render().splitlines()
+    stale = [f"{i + 1}: {a!r} != {b!r}" for i, (a, b) in enumerate(zip(written, current)) if a != b][:3]
+    assert written == current, f"docs/api.md is out of date ({stale or 'length differs'}): run python docs/make_api.py"

@@ -310,9 +310,9 @@ def test_fsdp_uneven_shards(recipe):
 
 def test_tp_spec_reads_every_torch_name_and_never_guesses():
     # FSDPParam keeps the TP spec of a DTensor parameter as ``_tp_spec`` up to torch 2.11 and as
-    # ``_unsharded_dtensor_spec`` since; reading only the newer name made torch 2.11 cast each TP
-    # shard with its own amax (on != off on two H200s). A DTensor parameter whose spec is under
-    # neither name must raise, not read as "no TP".
+    # ``_unsharded_dtensor_spec`` from 2.12; reading only the newer name would make torch 2.11 cast
+    # each TP shard with its own amax (fp8 all-gather on != off). A DTensor parameter whose spec is
+    # under neither name must raise, not read as "no TP".
     from types import SimpleNamespace
 
     from fp8func.distributed._fsdp import tp_spec

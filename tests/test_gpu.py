@@ -254,7 +254,7 @@ def test_linear_under_cuda_graphs_is_bitwise_the_default_compile(recipe):
 
 
 @pytest.mark.xfail(reason="delayed scaling rebinds its state buffers to the step's outputs, which CUDA graphs "
-                          "overwrite on the next replay (docs/delayed.md, 'Not yet'); an XPASS says it now works",
+                          "overwrite on the next replay (docs/delayed.md, 'Limits'); an XPASS says it now works",
                    strict=False)
 @pytest.mark.filterwarnings(EMPTY_GRAPH)
 def test_delayed_linear_under_cuda_graphs_known_gap():

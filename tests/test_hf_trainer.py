@@ -57,7 +57,7 @@ def test_hf_trainer_fsdp2_fp8_all_gather_on_off_bitwise():
     # a group that keeps it, twice where it sits in the root (accelerate 1.10).
     assert on[0]["fp8_gathers"] == on[1]["fp8_gathers"] in (STEPS * (14 * 2 + 1), STEPS * 15 * 2), on[0]["fp8_gathers"]
     assert [r["fp8_gathers"] for r in off] == [0, 0]
-    # The seed's point: the fp8 all-gather changes nothing, with Trainer's defaults (AdamW, seeded
+    # The point: the fp8 all-gather changes nothing, with Trainer's defaults (AdamW, seeded
     # shuffling, grad clipping at 1.0): losses, gradient norms and the trained weights, bitwise.
     for r_on, r_off in zip(on, off):
         assert r_on["losses"] == r_off["losses"], (r_on["losses"], r_off["losses"])
@@ -66,9 +66,8 @@ def test_hf_trainer_fsdp2_fp8_all_gather_on_off_bitwise():
 
 
 def test_accelerate_optimizer_remap_trap_is_detected():
-    # With weights whose data_ptr() is 0 (fp8func's before this example found it; torchao's fp8
-    # weight today), accelerate maps all of them to one sharded weight in the optimizer; the
-    # example's check must refuse to train.
+    # With weights whose data_ptr() is 0 (torchao's fp8 weights, for one), accelerate maps all of
+    # them to one sharded weight in the optimizer; the example's check must refuse to train.
     msgs = run_workers(_run, 2, True, True)
     for msg in msgs:
         assert isinstance(msg, str), msg

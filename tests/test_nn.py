@@ -160,10 +160,9 @@ def test_auto_bench_reads_convert_decisions_and_flags_slower_conversions():
 
 def test_roofline_model_ranks_the_measured_shapes():
     """The model's verdicts against four runs of ``python -m fp8func.bench auto`` on an H200
-    (2026-11-23, docs/benchmarks.md: 208 shape x recipe measurements, 75 of them converted by this
-    model, none slower than bf16 in either timing). FP8 wins on the large shapes in every recipe; the small ones stay
-    bf16; and the six cases converted before the per-recipe floors, leads and margin, which measured
-    slower than bf16 (0.71-0.99x) in some run, stay bf16."""
+    (208 shape x recipe measurements, 75 of them converted by this model, none slower than bf16 in
+    either timing). FP8 wins on the large shapes in every recipe; the small ones stay bf16; and
+    the six cases that measured slower than bf16 (0.71-0.99x) in some run stay bf16."""
     from fp8func.nn._auto import MARGIN, PROFILES, estimate_ms
 
     p = PROFILES["H200"]

@@ -148,8 +148,9 @@ class SwiGLU(nn.Module):
         return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
 
 
-def _seed_scenario(rank, world_size, recipe):
-    """torchtitan's NaN: colwise outputs kept as DTensors (use_local_output=False), row-wise recipe."""
+def _colwise_into_rowwise(rank, world_size, recipe):
+    """The case that gives NaN losses in torchtitan: colwise outputs kept as DTensors
+    (use_local_output=False) feeding a row-wise FP8 layer, whose amax must be the full tensor's."""
     import fp8func._autograd as autograd_mod
     import fp8func._casts as casts_mod
 
@@ -192,8 +193,8 @@ def _seed_scenario(rank, world_size, recipe):
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "rowwise_with_gw_hp"])
-def test_seed_scenario_colwise_dtensor_outputs_use_the_global_amax(recipe):
-    for r in run_workers(_seed_scenario, 2, recipe):
+def test_colwise_dtensor_outputs_use_the_global_amax(recipe):
+    for r in run_workers(_colwise_into_rowwise, 2, recipe):
         assert r["sharded_quantizations"] > 0 and r["all_global"], r
         assert r["finite"] and r["grads_finite"], r
         assert r["rel_out"] < 1e-5 and r["rel_wgrad"] < 1e-5, r

@@ -1,4 +1,4 @@
-"""Experiment (session 9, not part of the package): a Triton block-scaled FP8 GEMM against cuBLAS.
+"""Experiment, not part of the package: a Triton block-scaled FP8 GEMM against cuBLAS.
 
 The blockwise recipe's GEMMs: ``a`` in 1x128 groups times ``b`` in 128x128 groups (forward,
 grad input) or 128x1 groups (grad weight). Per 128-long stretch of the contraction the kernel
@@ -10,8 +10,7 @@ the promotion); ``--defer`` adds stretch k's product while stretch k+1's MMA run
     python docs/experiments/block_scaled_gemm.py                     # GPU: the table of docs/kernels.md
     TRITON_INTERPRET=1 python docs/experiments/block_scaled_gemm.py --check   # CPU: indexing only
 
-Measured on an H200 (docs/kernels.md, "A Triton block-scaled GEMM, measured against cuBLAS"):
-0.55-0.69x cuBLAS scaled, 1.0x cuBLAS tensorwise unscaled, 0.27-0.32x deferred.
+Its figures on an H200, and why the package keeps cuBLAS's block-scaled GEMM: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The issue's whole benchmark in one process: linears, quantize kernels, the layer step.
+"""The main benchmarks in one process: linears, quantize kernels, the layer step.
 
 ``python -m fp8func.bench all``: bf16, torchao (same recipe) and fp8func fwd+bwd for the six
 shapes and the tensorwise, rowwise and blockwise recipes (``bench linear``); each quantize

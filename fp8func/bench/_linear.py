@@ -27,7 +27,7 @@ FAST_FWD = "+fastfwd"
 
 # fp8func recipes that torchao does not have, and the torchao recipe each is compared with:
 # "delayed" (tensorwise with a 16-step amax history, TransformerEngine's default scaling; torchao
-# removed its delayed scaling) against torchao's dynamic tensorwise.
+# has no delayed scaling) against torchao's dynamic tensorwise.
 TORCHAO_PEER = {"delayed": "tensorwise"}
 
 
