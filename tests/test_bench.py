@@ -1,0 +1,145 @@
+"""The whole-model benchmarks (``python -m fp8func.bench model`` and ``fsdp``) end to end on the CPU.
+
+Tiny Llama (2 layers, hidden 128, seq 64, batch 2: 128 tokens, so that the block-scaled recipe
+tiles every GEMM), eager unless the test is about compiling; the figures are not checked, the
+logic is: configurations, converted layers, losses, the JSON the docs are built from.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+import fp8func as f8
+from fp8func.bench import _fsdp, _model
+from fp8func.bench.__main__ import main as bench_main
+
+TINY = ["--model", "tiny", "--iters", "1", "--warmup", "0"]
+STEPS = _model.COMPILE_STEPS + 1  # the compile steps, no warm-up, one timed step
+SMALLER = ["--hidden", "64", "--mlp", "128", "--seq", "32"]  # torch's CPU fp8 GEMM (torchao's path) is slow
+LAYERS = 2 * 7  # q, k, v, o, gate, up, down per decoder layer; the lm_head stays bf16 by default
+ROW_KEYS = {"config", "library", "recipe", "fp8_linears", "linears", "step_ms", "tokens_per_s", "vs_bf16", "vs_torchao",
+            "compile_s", "graphs", "peak_gib", "losses", "loss", "loss_step", "bf16_loss", "finite"}
+
+
+def _run(tmp_path, entry: str, *args: str) -> dict:
+    path = tmp_path / f"{entry}.json"
+    bench_main([entry, *TINY, *args, "--json", str(path)])
+    out = json.loads(path.read_text())
+    assert out["environment"]["command"].startswith(f"python -m fp8func.bench {entry} --model tiny")
+    assert {"device", "torch", "torchao", "date"} <= set(out["environment"]) and out["complete"]
+    return out
+
+
+def _check_rows(out: dict, names: list[str]) -> dict:
+    rows = {r["config"]: r for r in out["rows"]}
+    assert list(rows) == names
+    bf16 = rows["bf16"]
+    for r in rows.values():
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert len(r["losses"]) == STEPS and r["finite"] and all(math.isfinite(v) for v in r["losses"])
+        assert r["loss"] == r["losses"][-1] and r["bf16_loss"] == bf16["losses"][-1]
+        assert r["losses"][-1] < r["losses"][0]  # the Zipf-distributed tokens are learnt within a few steps
+        assert abs(r["losses"][-1] - bf16["losses"][-1]) < 0.05, (r["config"], r["losses"], bf16["losses"])
+        assert r["step_ms"] > 0 and len(r["compile_s"]) == _model.COMPILE_STEPS and r["linears"] == LAYERS + 1
+        assert r["vs_bf16"] == pytest.approx(r["tokens_per_s"] / bf16["tokens_per_s"])
+    assert bf16["fp8_linears"] == 0 and bf16["vs_bf16"] == 1.0
+    return rows
+
+
+def _auto_count(spec: dict) -> int:
+    model = _model.llama(spec, "cpu", torch.bfloat16)
+    f8.convert(model.model, "tensorwise", filter="auto", tokens=spec["batch"] * spec["seq"], fsdp_fp8_all_gather=False)
+    return sum(r.converted for r in f8.report(model, print_table=False))
+
+
+def test_model_bench_runs_every_fp8func_config_and_writes_json(tmp_path, capsys):
+    names = ["bf16", "tensorwise", "rowwise", "blockwise", "delayed", "auto"]
+    out = _run(tmp_path, "model", "--compile", "none", "--configs", ",".join(names))
+    rows = _check_rows(out, names)
+    for name in ("tensorwise", "rowwise", "blockwise", "delayed"):
+        assert rows[name]["fp8_linears"] == LAYERS, rows[name]
+        assert rows[name]["losses"] != rows["bf16"]["losses"]  # FP8 really ran
+        assert rows[name]["vs_torchao"] is None  # no torchao configuration asked for
+    assert rows["auto"]["fp8_linears"] == _auto_count(out["model"])
+    assert "bf16 parameters" in out["setup"] and "lm_head bf16" in out["setup"]
+    printed = capsys.readouterr().out
+    assert "| config | FP8 linears | ms/step |" in printed and "| blockwise | 14/15 |" in printed
+
+
+@pytest.mark.slow
+def test_model_bench_against_torchao_with_an_fp8_lm_head(tmp_path):
+    names = ["bf16", "torchao-tensorwise", "tensorwise", "delayed"]
+    out = _run(tmp_path, "model", *SMALLER, "--compile", "none", "--fp8-lm-head", "--configs", ",".join(names))
+    rows = _check_rows(out, names)
+    assert [rows[n]["fp8_linears"] for n in names] == [0, LAYERS + 1, LAYERS + 1, LAYERS + 1]
+    for name in ("tensorwise", "delayed"):  # delayed is compared with torchao's dynamic tensorwise
+        assert rows[name]["torchao_peer"] == "torchao-tensorwise"
+        assert rows[name]["vs_torchao"] == pytest.approx(rows[name]["tokens_per_s"] / rows["torchao-tensorwise"]["tokens_per_s"])
+    assert "lm_head FP8" in out["setup"]
+
+
+@pytest.mark.slow
+# dynamo probes ``hasattr(t, "grad")`` on the layer's input (a non-leaf) inside a filter meant to
+# hide this warning, which pytest's warnings-as-errors turns into an error first.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
+def test_model_bench_per_block_compile(tmp_path):
+    out = _run(tmp_path, "model", "--configs", "bf16,tensorwise")  # --compile block is the default
+    rows = _check_rows(out, ["bf16", "tensorwise"])
+    assert all(r["graphs"] >= 1 for r in rows.values())  # the decoder layers ran compiled
+    assert "compile: block" in out["setup"]
+
+
+def test_fsdp_bench_one_rank_on_and_off(tmp_path, capsys):
+    names = ["bf16", "tensorwise", "tensorwise-off", "rowwise", "rowwise-off", "delayed", "delayed-off"]
+    out = _run(tmp_path, "fsdp", "--compile", "none", "--configs", ",".join(names))
+    rows = _check_rows(out, names)
+    for name in names[1:]:
+        r = rows[name]
+        assert r["fp8_linears"] == LAYERS and r["fp8_all_gather"] == (not name.endswith("-off"))
+        assert r["precompute"] == (name in ("tensorwise", "delayed"))  # tensorwise weights only, gather on
+        assert r["fsdp_unshard_host_ms"] > 0
+        if r["fp8_all_gather"]:  # docs/fsdp.md's contract: on and off train bitwise alike
+            assert r["loss_equals_off"] is True and r["vs_off"] == pytest.approx(
+                r["tokens_per_s"] / rows[name + "-off"]["tokens_per_s"])
+        else:
+            assert r["vs_off"] is None and r["loss_equals_off"] is None
+    assert "fp32 master weights" in out["setup"] and "one-rank mesh" in out["setup"]
+    assert "| tensorwise | on + precomputed scales | 14/15 |" in capsys.readouterr().out
+    assert not torch.distributed.is_initialized()  # the entry's own process group is gone
+
+
+@pytest.mark.slow
+def test_fsdp_bench_against_torchao(tmp_path):
+    names = ["bf16", "torchao-tensorwise", "tensorwise"]
+    rows = _check_rows(_run(tmp_path, "fsdp", *SMALLER, "--compile", "none", "--configs", ",".join(names)), names)
+    ao = rows["torchao-tensorwise"]
+    assert ao["fp8_linears"] == LAYERS and ao["fp8_all_gather"] and ao["precompute"]
+    assert rows["tensorwise"]["vs_torchao"] == pytest.approx(rows["tensorwise"]["tokens_per_s"] / ao["tokens_per_s"])
+
+
+@pytest.mark.parametrize("name,cls", [
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "GEMM bf16"),
+    ("nvjet_qqtst_128x256_128x6_2x1_2cta_v_bz_TNT", "GEMM fp8"),
+    ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "GEMM fp8"),
+    ("void cutlass::device_kernel<f8f8bf16_rowwise_kernel>", "GEMM fp8"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "GEMM bf16"),
+    ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "attention"),
+    ("_cast_kernel", "fp8func casts"), ("_amax_flat_kernel", "fp8func casts"), ("_quant_t_kernel", "fp8func casts"),
+    ("triton_red_fused__to_copy_abs_amax_0", "inductor/triton fused"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("void at::native::elementwise_kernel<128, 2>", "other"),
+])
+def test_profile_kernel_classes(name, cls):
+    assert _model.kernel_class(name) == cls
+
+
+def test_bench_entries_refuse_unknown_configs_and_cpu_profiles(capsys):
+    with pytest.raises(SystemExit):
+        _model.main([*TINY, "--configs", "bf16,fp4"])
+    assert "unknown ['fp4']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _fsdp.main([*TINY, "--device", "cpu", "--profile"])
+    assert "--profile reads GPU kernel times" in capsys.readouterr().err
