@@ -50,12 +50,13 @@ class Fp8Linear(nn.Linear):
     fp8_weights = False  # True: the weight is an Fp8WeightParam (convert(..., fp8_weights=True))
     fp8_enabled = True  # False: plain F.linear in high precision (PrecisionSchedule's bf16 phases)
     amax_sharding = None  # delayed scaling: how the tokens are split over ranks (share_scaling_state)
-    _pending: LinearScalingState | None = None  # delayed: the state passed on by the last call before a backward
-    _in_apply = False  # fp8func.nn.apply is running the model: states are explicit, no hooks
+    # delayed scaling: ``_pending`` is the state passed on by the last call before a backward;
+    # ``_in_apply`` says fp8func.nn.apply is running the model (states explicit, no hooks)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  recipe: Recipe | str = "tensorwise", fsdp_fp8_all_gather: bool = True, fp8_weights: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._pending, self._in_apply = None, False  # instance attributes: compile guards stay stable
         self.recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
         self.fsdp_fp8_all_gather = fsdp_fp8_all_gather
         self.fp8_weights = fp8_weights
