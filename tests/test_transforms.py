@@ -215,3 +215,18 @@ def _cell(row: Row, column: str) -> None:
 def test_transform_matrix(row: Row, column: str):
     torch._dynamo.reset()
     _cell(row, column)
+
+
+def test_gradient_rules_of_the_casts():
+    """The FP8 payload is not differentiable: eager autograd refuses a backward through it, and
+    torch.func gives zeros; fake_quantize is the differentiable round trip, straight-through,
+    bitwise the same values."""
+    x = torch.randn(8, 32, requires_grad=True)
+    q = f8.quantize(x, SPEC)
+    assert not q.data.requires_grad and not q.scale.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        f8.dequantize(q).sum().backward()
+    y = f8.fake_quantize(x, SPEC)
+    assert torch.equal(y, f8.dequantize(q))
+    y.backward(torch.full_like(y, 3.0))
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
