@@ -85,7 +85,7 @@ class _LinearFn(torch.autograd.Function):
         gw, gx, states = _unpack(layout, leaves)
         xs, ws = operand(p, "x"), operand(p, "w")
         tx, tw = layout.transposes
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x if gx else x.reshape(-1, x.shape[-1])  # given casts: x only routes the gradient
         qx, qx_t, x_amax = _cast_operand(x2, xs.first, gx, "x", states and states[0], tx, p)
         w_state = states[1] if states is not None and p.delayed.weight else None
         qw, qw_t, w_amax = _cast_operand(weight, ws.first, gw, "w", w_state, tw, p)
@@ -96,7 +96,7 @@ class _LinearFn(torch.autograd.Function):
         if states is None:
             return out
         passed = tuple(t.clone() for st in states for t in st)
-        zero = x2.new_zeros(1, dtype=torch.float32)
+        zero = qx.scale.new_zeros(1)
         return out + passed + (zero if x_amax is None else x_amax, zero if w_amax is None else w_amax)
 
     @staticmethod
@@ -248,6 +248,9 @@ def _next_states(ctx, saved: tuple, incoming: tuple, dy_amax) -> tuple:
         if amax is None:
             out += [None, None]
             continue
+        # a state's tensors are plain (replicated) on every rank; under TP autograd may hand the
+        # passed-on state's gradient back as a replicated DTensor
+        h, s, gh, gs = (t.full_tensor() if isinstance(t, DTensor) else t for t in (h, s, gh, gs))
         gh = torch.zeros_like(h) if gh is None else gh
         gs = torch.zeros_like(s) if gs is None else gs
         out += list(record_merged(ScalingState(h, s), ScalingState(gh, gs), amax, spec, algo))

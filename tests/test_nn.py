@@ -115,7 +115,7 @@ def test_shell_errors():
 
     w = torch.randn(32, 64)
     q = f8.quantize(w, f8.CastSpec())
-    with pytest.raises(ValueError, match=r"recipe 'rowwise' needs casts \['w', 'w_t'\], got \['w'\]"):
+    with pytest.raises(ValueError, match=r"plan 'rowwise' needs weight casts \['w', 'w_t'\], got \['w'\]"):
         linear_with_casts(torch.randn(4, 64), w, None, f8.Recipe.from_name("rowwise"), {"w": q})
     with pytest.raises(TypeError, match="all_gather: expected an Fp8Tensor, got Tensor"):
         f8.all_gather(w, None)

@@ -227,7 +227,7 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
         return tuple(inputs), (entries, tuple(slots), n)
 
-    def _cast_shard(self, name, shard, spec, sharding, *, data: bool) -> Fp8Tensor:
+    def _cast_shard(self, name, shard, spec, sharding, *, data: bool) -> "Fp8Tensor | _ScaleOnly":
         """Cast ``name`` of this shard (``data``: its payload travels now; else only its scale is
         needed), with the kept scale while the weight is unchanged since it was made."""
         version = self.weight_version()
@@ -235,13 +235,21 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         if kept is not None and kept[0] == version:
             if data:
                 return _cast_with_scale(shard, kept[1], spec, sharding)
-            return Fp8Tensor(shard, kept[1], Fp8Meta(spec, shard.dtype, None))
+            return _ScaleOnly(shard, kept[1], spec)
         if data:  # the fused kernels on CUDA (this hook runs eagerly, outside compiled regions)
             q = _cast(shard, spec, sharding=sharding)[0]
         else:  # the payload travels in the other pass
-            q = Fp8Tensor(shard, _scale(shard, spec, sharding), Fp8Meta(spec, shard.dtype, None))
+            q = _ScaleOnly(shard, _scale(shard, spec, sharding), spec)
         self._scales[name] = (version, q.scale)
         return q
+
+
+class _ScaleOnly(NamedTuple):
+    """A cast whose payload travels in the other pass: the shard (its shape) and its scale."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    spec: object
 
 
 class _ScaleInput(NamedTuple):

@@ -204,8 +204,10 @@ class _StateGradHook:
     def __call__(self, t: torch.Tensor) -> None:
         if t.grad is None:  # compiled code may accumulate no gradient into a buffer it did not read
             return
+        # A state is replicated: under TP the buffer or its gradient may be a replicated DTensor.
+        grad = t.grad.full_tensor() if isinstance(t.grad, DTensor) else t.grad
         with torch.no_grad():
-            t.copy_(t.grad)
+            (t.to_local() if isinstance(t, DTensor) else t).copy_(grad)
         t.grad = None
         layer = self._layer()
         if layer is not None:
