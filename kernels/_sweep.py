@@ -1,9 +1,10 @@
-"""Launch-config sweep of the Triton quantization kernels (GPU only; not part of the package API).
+"""Launch-config sweep of the Triton kernels (GPU only; not part of the package API).
 
-``python -m fp8func.kernels._sweep [--json PATH]``: for each route of ``_triton_quant.CONFIGS``
-tries the candidates below on bf16 inputs, checks each one bitwise against the twin, times it
-(median of CUDA-graph replays over inputs that span more than the L2) and prints the winner.
-The winners are hard-coded in ``CONFIGS``; docs/kernels.md records what was tried.
+``python -m fp8func.kernels._sweep [--routes a,b] [--json PATH]``: for each route of
+``_configs.CONFIGS`` runs the candidates below (through ``_configs.override``) on bf16 inputs,
+checks each one bitwise against the twin, times it (median of CUDA-graph replays over inputs
+that span more than the L2) and prints the winner. A winner becomes the route's entry in
+``CONFIGS`` by hand; docs/kernels.md records the configurations and the run that chose them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import fp8func as f8
 from fp8func.bench._quant import _graph_ms, copy_gbps, min_bytes
 
 from . import _dispatch
-from ._triton_quant import CONFIGS, Config
+from ._configs import CONFIGS, Config, override
 
 C = Config
 TW = f8.CastSpec(f8.E4M3)
@@ -27,38 +28,32 @@ B1 = f8.CastSpec(f8.E4M3, f8.BlockWise((1, 128)))
 B128 = f8.CastSpec(f8.E4M3, f8.BlockWise((128, 128)))
 TILES = [(32, 256, 8), (16, 512, 8), (64, 256, 8), (8, 1024, 8), (32, 128, 4), (64, 128, 8)]
 TILES_T = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 64, 8), (128, 128, 4), (64, 256, 8)]
-# _quant_t_kernel: the 128x128 tile walked twice in [128, chunk] slabs (order 1: second walk by
-# rows; 128x128 groups take order 1 only: order 0 was miscompiled there, see launch_quant_t)
-BLOCK_T = [C(128, 128, w, chunk=ch, order=o, evict=e) for ch in (16, 32, 64) for w in (2, 4, 8)
-           for o in (0, 1) for e in (False, True)]
-# the same walks as tl.range loops (Config.unroll)
-BLOCK_T_LOOP = [dataclasses.replace(c, unroll=u) for c in BLOCK_T for u in (1, 2) if c.order == 1 and c.chunk * u < 128]
+# the +T block kernels: the 128x128 tile walked in [128, bk] slabs, unrolled (0) or as loops
+SLABS = [C(128, bk, w, unroll=u) for bk in (16, 32, 64) for w in (2, 4, 8) for u in (0, 1, 2) if bk * u < 128]
 # the transposing routes again with the transposed copy made from the raw (bf16) tile (Config.raw_t)
 RAW = lambda cands: cands + [dataclasses.replace(c, raw_t=True) for c in cands]  # noqa: E731
 CANDIDATES: dict[str, list[Config]] = {
-    "amax_flat": [C(1, bk, w, st, programs=p) for bk, w in [(4096, 4), (8192, 8), (16384, 16), (16384, 8), (8192, 2),
-                                                             (16384, 4)]
-                  for p in (528, 1056, 2112) for st in (1, 3)],
-    "amax_2d": [C(bm, bk, w, st, m_chunk=mc) for bm, bk, w in [(32, 256, 8), (64, 128, 8), (16, 512, 8), (32, 128, 4),
-                                                                (64, 256, 8), (8, 1024, 4), (16, 1024, 8),
-                                                                (8, 2048, 8), (4, 4096, 8), (16, 2048, 16)]
-                for mc in (64, 128, 256, 1024) for st in (1, 3)],
+    "amax_flat": [C(1, bk, w, st) for bk, w in [(4096, 4), (8192, 8), (16384, 16), (16384, 8), (8192, 2), (16384, 4)]
+                  for st in (1, 3)],
+    "amax_2d": [C(bm, bk, w, st) for bm, bk, w in [(32, 256, 8), (64, 128, 8), (16, 512, 8), (32, 128, 4),
+                                                    (64, 256, 8), (8, 1024, 4), (16, 1024, 8), (8, 2048, 8),
+                                                    (4, 4096, 8), (16, 2048, 16)]
+                for st in (1, 3)],
     "cast": [C(bm, bk, w) for bm, bk, w in TILES],
     "cast_t": RAW([C(bm, bk, w) for bm, bk, w in TILES_T]),
-    "cast_amax": [C(bm, bk, w, amax_out=a) for bm, bk, w in TILES for a in (1, 2, 3)],
-    "cast_amax_t": RAW([C(bm, bk, w, amax_out=a) for bm, bk, w in TILES_T + [(32, 128, 4), (64, 128, 8), (128, 256, 8)]
-                        for a in (1, 2, 3)]),
+    "cast_amax": [C(bm, bk, w) for bm, bk, w in TILES],
+    "cast_amax_t": RAW([C(bm, bk, w) for bm, bk, w in TILES_T + [(32, 128, 4), (64, 128, 8), (128, 256, 8)]]),
     "cast_block": [C(bm, 128, w) for bm in (16, 32, 64) for w in (4, 8)],
     "cast_block_t": RAW([C(bm, bk, w) for bm, bk, w in [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 128, 8),
                                                         (128, 64, 4), (64, 64, 4)]]),
     "rowwise": [C(bm, 0, w) for bm in (4096, 8192, 16384) for w in (4, 8, 16)],
     "block_1x128": [C(bm, 128, w) for bm in (16, 32, 64) for w in (4, 8)],
-    "block_1x128_t": RAW([C(128, 128, w) for w in (4, 8, 16)] + BLOCK_T + BLOCK_T_LOOP),
+    "block_1x128_t": RAW(SLABS),
     "block_128": [C(128, 128, w) for w in (4, 8, 16)],
-    "block_128_t": RAW([C(128, 128, w) for w in (4, 8, 16)] + [c for c in BLOCK_T if c.order == 1] + BLOCK_T_LOOP),
+    "block_128_t": RAW(SLABS),
 }
 # route: (spec, op, transpose); "amax_2d" is timed inside rowwise+T (its only fused user).
-ROUTES = {
+CALLS = {
     "amax_flat": (TW, "amax", False), "amax_2d": (ROW, "quantize", True), "cast": (TW, "cast", False),
     "cast_t": (TW, "cast", True), "cast_amax": (TW, "cast_amax", False), "cast_amax_t": (TW, "cast_amax", True),
     "cast_block": (B1, "cast", False), "cast_block_t": (B1, "cast", True),
@@ -93,18 +88,16 @@ def _same(a, b) -> bool:
 def _row(r: dict) -> str:
     c = r["config"]
     return (f"| {r['route']} | {r['shape'][0]}x{r['shape'][1]} | bm={c['bm']} bk={c['bk']} w={c['warps']} "
-            f"st={c['stages']} p={c['programs']} mc={c['m_chunk']} a={c['amax_out']} ch={c['chunk']} o={c['order']} "
-            f"e={int(c['evict'])} u={c.get('unroll', 0)} r={int(c.get('raw_t', False))} | {r['bitwise']} | {r['ms']:.4f} | "
+            f"st={c['stages']} u={c['unroll']} r={int(c['raw_t'])} | {r['bitwise']} | {r['ms']:.4f} | "
             f"{r['gbps']:.0f} |")
 
 
 def sweep(iters: int = 30, routes=None) -> list[dict]:
     rows = []
-    saved = dict(CONFIGS)
     for route, cands in CANDIDATES.items():
         if routes and route not in routes:
             continue
-        spec, op, transpose = ROUTES[route]
+        spec, op, transpose = CALLS[route]
         for shape in SHAPES.get(route, DEFAULT_SHAPES):
             xs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
             xs[0][5, 7] = 3e4  # an outlier, so groups differ
@@ -115,18 +108,17 @@ def sweep(iters: int = 30, routes=None) -> list[dict]:
             want = _call(spec, op, transpose, "reference")(*args[0])
             nbytes = min_bytes(spec, op, transpose, shape, 2)
             for cfg in cands:
-                CONFIGS[route] = cfg
                 fn = _call(spec, op, transpose, "triton")
                 try:
-                    ok = _same(fn(*args[0]), want)
-                    ms = _graph_ms(fn, args, iters) if ok else float("nan")
+                    with override(route, cfg):
+                        ok = _same(fn(*args[0]), want)
+                        ms = _graph_ms(fn, args, iters) if ok else float("nan")
                 except Exception as e:  # a config the compiler rejects (e.g. out of resources)
                     ok, ms = False, float("nan")
                     print(f"{route} {cfg}: {type(e).__name__}: {str(e)[:120]}")
                 rows.append({"route": route, "shape": shape, "config": dataclasses.asdict(cfg), "bitwise": ok,
                              "ms": ms, "gbps": nbytes / ms / 1e6})
                 print(_row(rows[-1]), flush=True)
-            CONFIGS[route] = saved[route]
             del xs, args
     return rows
 
@@ -152,7 +144,7 @@ def main(argv=None) -> None:
                 key = json.dumps(r["config"])
                 per[key] = per.get(key, 0.0) + r["ms"]
         best = min(per, key=per.get) if per else None
-        print(f"  {route}: {best} ({per.get(best, float('nan')):.4f} ms)")
+        print(f"  {route}: {best} ({per.get(best, float('nan')):.4f} ms); CONFIGS has {CONFIGS[route]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)

@@ -5,7 +5,6 @@ The oracle below is written from the scale convention alone (reshape into groups
 the power-of-two round-up), not from fp8func's helpers, so a wrong twin fails here.
 """
 
-import itertools
 import random
 
 import pytest
@@ -15,7 +14,7 @@ from hypothesis import strategies as st
 
 import fp8func as f8
 import fp8func.kernels as fk
-from fp8func.kernels import _dispatch, _reference
+from fp8func.kernels import _configs, _dispatch, _reference
 
 from .strategies import tensors
 
@@ -224,6 +223,54 @@ def test_errors_name_the_value_and_the_fix():
         fk.amax(x, f8.TensorWise(), impl="triton")  # no triton here, or a CPU tensor
 
 
+def test_configs_are_frozen_and_overrides_checked_and_undone():
+    cfg = _configs.Config(bm=64, bk=128, warps=4, raw_t=True)
+    with pytest.raises(TypeError):
+        _configs.CONFIGS["cast_t"] = cfg  # a read-only mapping
+    with _configs.override("cast_t", cfg):
+        assert _configs.config("cast_t") is cfg and _configs.config("cast") == _configs.CONFIGS["cast"]
+        with _configs.override("cast_t", _configs.CONFIGS["cast_t"]):
+            assert _configs.config("cast_t") == _configs.CONFIGS["cast_t"]
+        assert _configs.config("cast_t") is cfg
+    assert _configs.config("cast_t") == _configs.CONFIGS["cast_t"]
+    with pytest.raises(ValueError):  # the override is undone when the block raises
+        with _configs.override("cast_t", cfg):
+            raise ValueError
+    assert _configs.config("cast_t") == _configs.CONFIGS["cast_t"]
+
+
+@pytest.mark.parametrize(("route", "cfg", "match"), [
+    ("cast_x", _configs.Config(8, 8, 4), r"route 'cast_x': expected one of"),
+    ("cast", _configs.Config(48, 128, 4), r"powers of two"),
+    ("cast", _configs.Config(8, 1024, 8, stages=0), r"stages at least 1"),
+    ("cast", _configs.Config(8, 1024, 8, unroll=1), r"unroll applies to the slab walks"),
+    ("cast", _configs.Config(8, 1024, 8, raw_t=True), r"raw_t applies to the transposing routes"),
+    ("cast_block", _configs.Config(8, 256, 8), r"bk dividing 128"),
+    ("cast_block_t", _configs.Config(256, 64, 8), r"bm and bk dividing 128"),
+    ("block_1x128", _configs.Config(16, 64, 4), r"bk=128"),
+    ("block_128", _configs.Config(64, 128, 4), r"bm=bk=128"),
+    ("block_128_t", _configs.Config(64, 64, 4), r"bm=128 and bk dividing 128"),
+    ("rowwise", _configs.Config(4096, 128, 4), r"bk=0"),
+    ("amax_flat", _configs.Config(2, 4096, 4), r"bm=1"),
+])
+def test_config_check_names_what_the_route_needs(route, cfg, match):
+    with pytest.raises(ValueError, match=match), _configs.override(route, cfg):
+        pass
+
+
+def test_sweep_candidates_are_runnable_and_include_the_frozen_configs():
+    """The sweep (a GPU tool) imports on the CPU, covers every route, and each candidate passes
+    the route's check; the frozen configuration is among them, so a re-sweep can keep it."""
+    from fp8func.kernels import _sweep
+
+    assert set(_sweep.CANDIDATES) == set(_sweep.CALLS) == set(_configs.CONFIGS)
+    for route, cands in _sweep.CANDIDATES.items():
+        for cfg in cands:
+            _configs.check(route, cfg)
+        assert _configs.CONFIGS[route] in cands, route
+        assert len(set(cands)) == len(cands), route
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: every Triton kernel against its twin, bitwise, on the same CUDA tensor.
 
@@ -285,48 +332,35 @@ def test_triton_quantize_bitwise_twin(g, combo, transpose, kind):
         _check_quantize(_gpu_input(shape, dtype, kind, i), spec, transpose, _eager)
 
 
-# The +T block routes' launch layouts (the sweep picks one, the tests above run that one):
-# chunk 0 is the whole-tile _quant_kernel; else _quant_t_kernel's slab walks.
-BLOCK_T_LAYOUTS = [dict(chunk=0, warps=4), dict(chunk=64, order=1, evict=True, warps=4),
-                   dict(chunk=64, order=1, evict=True, warps=2), dict(chunk=32, order=1, warps=4),
-                   dict(chunk=16, order=1, warps=8), dict(chunk=64, order=0, warps=4),
-                   dict(chunk=32, order=0, evict=True, warps=2),
-                   dict(chunk=64, order=1, evict=True, warps=4, unroll=1), dict(chunk=32, order=1, warps=8, unroll=2),
-                   dict(chunk=16, order=0, warps=4, unroll=1),
-                   # the transposed copy from the raw tile (Config.raw_t)
-                   dict(chunk=0, warps=4, raw_t=True), dict(chunk=64, order=1, evict=True, warps=2, unroll=1, raw_t=True),
-                   dict(chunk=64, order=1, evict=True, warps=4, raw_t=True), dict(chunk=32, order=0, warps=4, raw_t=True)]
+# The +T block routes' launch layouts (the sweep picks one, the tests above run that one): the
+# 128x128 tile walked in [128, bk] slabs, unrolled or as loops, the transposed copy from the fp32
+# or the raw tile.
+BLOCK_T_LAYOUTS = [dict(bk=64, warps=4), dict(bk=64, warps=2, unroll=1), dict(bk=32, warps=4),
+                   dict(bk=16, warps=8), dict(bk=32, warps=8, unroll=2), dict(bk=16, warps=4, unroll=1),
+                   dict(bk=64, warps=2, unroll=1, raw_t=True), dict(bk=64, warps=4, raw_t=True),
+                   dict(bk=32, warps=4, raw_t=True)]
 
 
 @pytest.mark.gpu
 @needs_triton
 @pytest.mark.parametrize("g", [B1, B128], ids=repr)
 @pytest.mark.parametrize("layout", BLOCK_T_LAYOUTS, ids=lambda d: "-".join(f"{k}{int(v)}" for k, v in d.items()))
-def test_triton_block_t_every_layout_bitwise_twin(g, layout, monkeypatch):
-    import dataclasses
-
-    from fp8func.kernels import _triton_quant
-
+def test_triton_block_t_every_layout_bitwise_twin(g, layout):
     route = "block_128_t" if g == B128 else "block_1x128_t"
-    cfg = dataclasses.replace(_triton_quant.CONFIGS[route], **{"order": 0, "evict": False, "unroll": 0, "raw_t": False,
-                                                               **layout})
-    monkeypatch.setitem(_triton_quant.CONFIGS, route, cfg)
-    if g == B128 and cfg.chunk and cfg.order == 0:  # refused: miscompiled (see launch_quant_t)
-        with pytest.raises(ValueError, match="order=0"):
-            fk.quantize(torch.zeros(128, 128, device="cuda"), f8.CastSpec(f8.E4M3, g), transpose=True, impl="triton")
-        return
-    for combo in COMBOS[:2]:  # bf16 -> E4M3 pow2, fp32 -> E5M2 (the suite above runs all four on the winner)
-        spec = f8.CastSpec(combo[1], g, combo[2])
-        for i, shape in enumerate(s for s in SHAPES[KEY[g]] if s[0] % 128 == 0 and s[0] * s[1] < 2**20):
-            for kind in ("randn", "specials"):
-                _check_quantize(_gpu_input(shape, combo[0], kind, i), spec, True, _eager)
+    with _configs.override(route, _configs.Config(bm=128, **layout)):
+        for combo in COMBOS[:2]:  # bf16 -> E4M3 pow2, fp32 -> E5M2 (the suite above runs all four)
+            spec = f8.CastSpec(combo[1], g, combo[2])
+            for i, shape in enumerate(s for s in SHAPES[KEY[g]] if s[0] % 128 == 0 and s[0] * s[1] < 2**20):
+                for kind in ("randn", "specials"):
+                    _check_quantize(_gpu_input(shape, combo[0], kind, i), spec, True, _eager)
 
 
 @pytest.mark.gpu
 @needs_triton
 def test_triton_block_t_random_shapes_bitwise_twin():
-    """The hard-coded +T block kernels on random whole-block shapes, every input/format combo,
-    NaN and zero rows: the miscompiles of docs/kernels.md depended on the specialization."""
+    """The +T block kernels in their frozen configurations on random whole-block shapes, every
+    input/format combo, NaN and zero rows: the miscompiles of docs/kernels.md ("Known limits")
+    depend on the specialization."""
     rng = random.Random(0)
     for trial in range(12):
         m, k = 128 * rng.randint(1, 24), 128 * rng.randint(1, 24)
@@ -337,35 +371,6 @@ def test_triton_block_t_random_shapes_bitwise_twin():
                 x[rng.randrange(m)] = 0.0
             for g in (B1, B128):
                 _check_quantize(x, f8.CastSpec(fp8, g, p2), True, _eager)
-
-
-@pytest.mark.gpu
-@needs_triton
-@pytest.mark.xfail(reason="Triton 3.6 miscompile (docs/kernels.md): an XPASS means launch_quant_t's refusal "
-                          "of order=0 with 128x128 groups can be lifted for this Triton", strict=False)
-def test_triton_quant_t_order0_tile_group_canary():
-    # The miscompile is input- and code-shape-dependent: session 9's refactor made bf16 randn with
-    # non-pow2 E4M3 scales pass, session 10's (Config.raw_t) made a 384x256 input at 2^-8 pass,
-    # while random whole-block shapes at scales 2^-20..2^20 (pow2 bf16 E4M3, fp32 E5M2, a NaN and
-    # a zero row) failed in 144 of 144 order-0 launches both times (docs/kernels.md). The canary
-    # takes inputs of that kind.
-    from fp8func.kernels._triton_quant import _consts, _quant_t_kernel
-
-    for (m, k, e), (dtype, fp8, pow2) in itertools.product(((1280, 768, 13), (512, 1536, -17)),
-                                                            ((torch.bfloat16, f8.E4M3, True),
-                                                             (torch.float32, f8.E5M2, False))):
-        x = (torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m)) * 2.0**e).to(dtype)
-        x[7, 5], x[m // 2] = float("nan"), 0.0
-        spec = f8.CastSpec(fp8, B128, pow2)
-        r, r_t = fk.quantize(x, spec, transpose=True, impl="reference")
-        data, data_t = torch.empty_like(r.data), torch.empty_like(r_t.data)
-        s, s_t = torch.empty_like(r.scale), torch.empty_like(r_t.scale)
-        _quant_t_kernel[(m // 128, k // 128)](x, data, s, data_t, s_t, m, k, s.stride(0), s.stride(1), s_t.stride(0),
-                                              s_t.stride(1), TILE_GROUP=True, **_consts(data.dtype, pow2), B=128,
-                                              CH=64, ORDER=0, EVICT=0, num_warps=4)
-        assert_bitwise(s, r.scale, "scale")
-        assert_bitwise(data, r.data, "data")
-        assert_bitwise(data_t, r_t.data, "data_t")
 
 
 @pytest.mark.gpu
@@ -400,19 +405,18 @@ def test_triton_cast_bitwise_twin(g, combo, scales):
 @pytest.mark.parametrize("raw_t", [False, True])
 @pytest.mark.parametrize("tile", [(64, 64, 4), (64, 128, 4), (64, 256, 8)],
                          ids=lambda t: "x".join(map(str, t)))
-def test_triton_cast_transposed_every_layout_bitwise_twin(route, raw_t, tile, monkeypatch):
+def test_triton_cast_transposed_every_layout_bitwise_twin(route, raw_t, tile):
     """The transposing casts (given scales, with amax, 1x128 blocks; tensorwise and row-wise
-    quantize+T take ``cast_t`` too) in the tiles the hard-coded configurations use, the
-    transposed copy made from the fp32 tile or from the raw one (``Config.raw_t``)."""
-    import dataclasses
-
-    from fp8func.kernels import _triton_quant
-
+    quantize+T take ``cast_t`` too) in the tiles the frozen configurations use, the transposed
+    copy made from the fp32 tile or from the raw one (``Config.raw_t``)."""
     bm, bk, warps = tile
     if route == "cast_block_t" and (128 % bm or 128 % bk):
-        pytest.skip(f"{bm}x{bk} tiles straddle 1x128 groups (launch_cast refuses them)")
-    monkeypatch.setitem(_triton_quant.CONFIGS, route,
-                        dataclasses.replace(_triton_quant.CONFIGS[route], bm=bm, bk=bk, warps=warps, raw_t=raw_t))
+        pytest.skip(f"{bm}x{bk} tiles straddle 1x128 groups (the route refuses them)")
+    with _configs.override(route, _configs.Config(bm, bk, warps, raw_t=raw_t)):
+        _check_transposed_casts(route)
+
+
+def _check_transposed_casts(route):
     for dtype, fp8, p2 in COMBOS[:2]:
         for i, shape in enumerate([(37, 53), (256, 384), (1024, 4096), (4097, 640)]):
             x = _gpu_input(shape, dtype, "specials" if i % 2 else "randn", i)
@@ -462,27 +466,24 @@ def test_triton_cast_amax_bitwise_twin(combo, transpose, compiled):
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.parametrize("amax_out", [1, 2, 3])
+@pytest.mark.parametrize("tile", [(32, 256, 8), (8, 1024, 8), (64, 128, 4), (128, 64, 4)],
+                         ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("transpose", [False, True])
-def test_triton_cast_amax_partials_every_way_bitwise_twin(amax_out, transpose, monkeypatch):
-    """Each way the cast leaves its partial maxima (per tile, tile row, tile column: the sweep
-    picks one) reduces to the twin's amax, edge tiles included."""
-    import dataclasses
-
-    from fp8func.kernels import _triton_quant
-
+def test_triton_cast_amax_every_tile_bitwise_twin(tile, transpose):
+    """The per-tile maxima the cast leaves reduce to the twin's amax in every tile shape, edge
+    tiles (whose masked-off elements load 0) included."""
     route = "cast_amax_t" if transpose else "cast_amax"
-    monkeypatch.setitem(_triton_quant.CONFIGS, route,
-                        dataclasses.replace(_triton_quant.CONFIGS[route], amax_out=amax_out))
     spec = f8.CastSpec(f8.E4M3)
-    for i, shape in enumerate(SHAPES["tw"]):
-        for kind in ("randn", "specials"):
-            x = _gpu_input(shape, torch.bfloat16, kind, i)
-            s = torch.full((1, 1), 0.01, device="cuda")
-            got = fk.cast_amax(x, s, spec, transpose=transpose, impl="triton")
-            want = fk.cast_amax(x, s, spec, transpose=transpose, impl="reference")
-            assert_bitwise(got[2], want[2], f"{shape} {kind} amax")
-            assert_bitwise(got[0], want[0], f"{shape} {kind} data")
+    with _configs.override(route, _configs.Config(*tile)):
+        for i, shape in enumerate(SHAPES["tw"]):
+            for kind in ("randn", "specials"):
+                x = _gpu_input(shape, torch.bfloat16, kind, i)
+                s = torch.full((1, 1), 0.01, device="cuda")
+                got = fk.cast_amax(x, s, spec, transpose=transpose, impl="triton")
+                want = fk.cast_amax(x, s, spec, transpose=transpose, impl="reference")
+                for name, a, b in zip(("data", "data_t", "amax"), got, want):
+                    if b is not None:
+                        assert_bitwise(a, b, f"{shape} {kind} {name}")
 
 
 @pytest.mark.gpu

@@ -1,0 +1,140 @@
+"""Launch configurations of the Triton kernels: one frozen ``Config`` per route.
+
+A route is one way an entry point launches its kernels (``"cast_t"``: a cast that also writes
+the transposed copy). ``CONFIGS`` holds the configuration each route runs, the winners of the
+launch-config sweep (``python -m fp8func.kernels._sweep``, GPU only; docs/kernels.md). The
+sweep and the layout tests run other configurations through ``override``, which checks them
+first. Plain Python: importing this module imports no Triton.
+
+Example:
+    >>> from fp8func.kernels._configs import CONFIGS, Config, config, override
+    >>> with override("cast_t", Config(bm=64, bk=128, warps=4, raw_t=True)):
+    ...     config("cast_t").raw_t
+    True
+    >>> config("cast_t") == CONFIGS["cast_t"]
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["CONFIGS", "Config", "check", "config", "override"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch parameters of one route.
+
+    Attributes:
+        bm: tile rows. The one-pass row-wise route: elements per program (whole rows, a power
+            of two); the +T block routes: 128, the block.
+        bk: tile columns. The flat amax: elements per program and loop step; the one-pass
+            row-wise route: 0 (the row padded to a power of two); the +T block routes: the
+            width of the slabs the 128x128 tile is walked in.
+        warps: ``num_warps``.
+        stages: ``num_stages``.
+        unroll: the +T block routes only: 0 unrolls the slab walks (``tl.static_range``), else
+            they are ``tl.range`` loops unrolled ``unroll`` times.
+        raw_t: the transposing routes only: the transposed copy is cast from the loaded tile
+            transposed in the input dtype and upcast afterwards (bf16 crosses shared memory in 2
+            bytes, not 4; the upcast is exact, so the bits are the same), instead of from the
+            transposed fp32 tile.
+    """
+
+    bm: int
+    bk: int
+    warps: int
+    stages: int = 1
+    unroll: int = 0
+    raw_t: bool = False
+
+
+CONFIGS: types.MappingProxyType[str, Config] = types.MappingProxyType({
+    "amax_flat": Config(bm=1, bk=16384, warps=16),
+    "amax_2d": Config(bm=8, bk=1024, warps=4),
+    "cast": Config(bm=8, bk=1024, warps=8),
+    "cast_t": Config(bm=64, bk=256, warps=8),
+    "cast_amax": Config(bm=32, bk=256, warps=8),
+    "cast_amax_t": Config(bm=64, bk=128, warps=4, raw_t=True),
+    "cast_block": Config(bm=16, bk=128, warps=4),
+    "cast_block_t": Config(bm=64, bk=64, warps=4, raw_t=True),
+    "rowwise": Config(bm=4096, bk=0, warps=4),
+    "block_1x128": Config(bm=16, bk=128, warps=4),
+    "block_1x128_t": Config(bm=128, bk=64, warps=2, unroll=1),
+    "block_128": Config(bm=128, bk=128, warps=16),
+    "block_128_t": Config(bm=128, bk=64, warps=4),
+})
+_TRANSPOSING = ("cast_t", "cast_amax_t", "cast_block_t", "block_1x128_t", "block_128_t")
+_SLAB_WALKS = ("block_1x128_t", "block_128_t")
+_OVERRIDES: dict[str, Config] = {}
+
+
+def _pow2(n: int) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def _fixed(route: str, cfg: Config) -> str | None:
+    """What a route's kernel fixes that ``cfg`` contradicts, or None."""
+    if route == "amax_flat" and cfg.bm != 1:
+        return "bm=1 (the flat amax walks one row of bk elements)"
+    if route == "rowwise" and cfg.bk != 0:
+        return "bk=0 (the row is padded to a power of two at launch)"
+    if route == "cast_block" and 128 % cfg.bk:
+        return "bk dividing 128 (a tile inside one group along K)"
+    if route == "cast_block_t" and (128 % cfg.bk or 128 % cfg.bm):
+        return "bm and bk dividing 128 (a tile inside one group of x and of x.T)"
+    if route == "block_1x128" and cfg.bk != 128:
+        return "bk=128 (each tile row is one 1x128 group)"
+    if route == "block_128" and (cfg.bm, cfg.bk) != (128, 128):
+        return "bm=bk=128 (the tile is the group)"
+    if route in _SLAB_WALKS and (cfg.bm != 128 or 128 % cfg.bk):
+        return "bm=128 and bk dividing 128 (the 128x128 tile walked in [128, bk] slabs)"
+    return None
+
+
+def check(route: str, cfg: Config) -> None:
+    """Raise ``ValueError`` unless ``cfg`` is a configuration ``route``'s kernels can run."""
+    if route not in CONFIGS:
+        raise ValueError(f"route {route!r}: expected one of {list(CONFIGS)}.")
+    if not isinstance(cfg, Config):
+        raise TypeError(f"{route}: {cfg!r} is not a Config.")
+    sizes = (cfg.bm, cfg.bk) if route != "rowwise" else (cfg.bm,)
+    if not all(_pow2(n) for n in (*sizes, cfg.warps)) or cfg.stages < 1 or cfg.unroll < 0:
+        raise ValueError(f"{route}: {cfg}: tile sizes and warps must be powers of two (Triton's aranges), "
+                         "stages at least 1 and unroll at least 0.")
+    if cfg.unroll and route not in _SLAB_WALKS:
+        raise ValueError(f"{route}: {cfg}: unroll applies to the slab walks of {_SLAB_WALKS} only; leave it 0.")
+    if cfg.raw_t and route not in _TRANSPOSING:
+        raise ValueError(f"{route}: {cfg}: raw_t applies to the transposing routes {_TRANSPOSING} only.")
+    need = _fixed(route, cfg)
+    if need:
+        raise ValueError(f"{route}: {cfg}: this route needs {need}.")
+
+
+def config(route: str) -> Config:
+    """The configuration ``route`` runs now: its override if one is active, else ``CONFIGS[route]``."""
+    return _OVERRIDES.get(route, CONFIGS[route])
+
+
+@contextlib.contextmanager
+def override(route: str, cfg: Config) -> Iterator[Config]:
+    """Run ``route`` with ``cfg`` inside the block (checked first); the previous one after it.
+
+    Only calls launched inside the block see ``cfg``: a ``torch.compile``d graph keeps the
+    configuration it was traced with.
+    """
+    check(route, cfg)
+    missing = object()
+    prev = _OVERRIDES.get(route, missing)
+    _OVERRIDES[route] = cfg
+    try:
+        yield cfg
+    finally:
+        if prev is missing:
+            del _OVERRIDES[route]
+        else:
+            _OVERRIDES[route] = prev

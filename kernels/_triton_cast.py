@@ -1,0 +1,127 @@
+"""The cast kernel: given scales (or scales made from amax), optional transposed copy and amax.
+
+``_cast_kernel`` casts one ``[BM, BK]`` tile per program. With ``TRANSPOSE`` it also writes
+``x.T``'s cast from the same tile; with ``FROM_AMAX`` it turns given amaxes into the scales
+(the second pass of the tensorwise and row-wise-with-transpose quantize); with ``AMAX_OUT`` it
+also stores its tile's ``max |x|`` (delayed scaling: the cast and the next step's amax from one
+read of ``x``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from ._configs import Config
+from ._triton_device import abs_bits, canonical_nan, consts, recip, saturate, scale_of, transposed
+
+__all__ = ["cast_partials", "launch_cast"]
+
+
+@triton.jit
+def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out_ptr,
+                 M, K, sa0, sa1, sb0, sb1,
+                 A_M: tl.constexpr, A_K: tl.constexpr, B_K: tl.constexpr, B_M: tl.constexpr,
+                 FROM_AMAX: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+                 POW2: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                 NPART: tl.constexpr = 0, NPART_P2: tl.constexpr = 1, amax_ptr=0,
+                 AMAX_OUT: tl.constexpr = False, RAW_T: tl.constexpr = False):
+    # data[m, k] uses sa[(m // A_M) * sa0 + (k // A_K) * sa1], one value per tile row (the
+    # launcher keeps a tile inside one K group); data_t[k, m] uses sb[(k // B_K) * sb0 +
+    # (m // B_M) * sb1], one value per tile column. Whole-dimension groups have stride 0.
+    # FROM_AMAX: sa / sb hold amax; the first program along the other axis writes the scales.
+    # NPART (tensorwise, FROM_AMAX): sa holds the NPART per-program partial maxima (int32 bits)
+    # of _amax_flat_kernel(PARTIAL); every program reduces them (a few KB, from L2).
+    # AMAX_OUT: each program also stores max |x| of its tile (int32 bits, NaN canonical) at
+    # amax_ptr[pid_m * num_programs(1) + pid_k], for the caller to reduce.
+    # RAW_T: the transposed copy from the raw tile transposed, then upcast (Config.raw_t).
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    rmask = rows < M
+    cmask = cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    x_raw = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    x = x_raw.to(tl.float32)
+    if AMAX_OUT:
+        out = amax_ptr.to(tl.pointer_type(tl.int32))
+        p = (pid_m * tl.num_programs(1) + pid_k).to(tl.int64)
+        # max over |x|'s bits, then NaN made canonical: the same as canonical bits' max (any NaN's
+        # bits exceed inf's), one select per stored value instead of per element
+        tl.store(out + p, canonical_nan(tl.max(tl.max(abs_bits(x), 1), 0)))
+    a_idx = (rows // A_M) * sa0 + (pid_k * BK // A_K) * sa1
+    if NPART > 0:
+        # The scalar maximum raised into a loaded vector (every partial is <= it), not broadcast
+        # from a scalar: Triton 3.6 miscompiles the transposed fp8 store fed from a broadcast
+        # scalar scale (fp32 inputs); the vector form compiles right.
+        part_ptr = sa_ptr.to(tl.pointer_type(tl.int32))
+        parts = tl.arange(0, NPART_P2)
+        amax_bits = tl.max(tl.load(part_ptr + parts, mask=parts < NPART, other=0), 0)
+        sa = tl.maximum(tl.load(part_ptr + rows % NPART), amax_bits).to(tl.float32, bitcast=True)
+    else:
+        sa = tl.load(sa_ptr + a_idx, mask=rmask, other=1.0)
+    if FROM_AMAX:
+        sa = scale_of(sa, INV_MAX, POW2)
+        if pid_k == 0:
+            tl.store(sa_out_ptr + a_idx, sa, mask=rmask)
+    y = saturate(x, recip(sa)[:, None], FP8_MAX).to(data_ptr.dtype.element_ty)
+    tl.store(data_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
+    if TRANSPOSE:
+        b_idx = (cols // B_K) * sb0 + (pid_m * BM // B_M) * sb1
+        if NPART > 0:
+            sb = tl.maximum(tl.load(part_ptr + cols % NPART), amax_bits).to(tl.float32, bitcast=True)
+        else:
+            sb = tl.load(sb_ptr + b_idx, mask=cmask, other=1.0)
+        if FROM_AMAX:
+            sb = scale_of(sb, INV_MAX, POW2)
+            if pid_m == 0:
+                tl.store(sb_out_ptr + b_idx, sb, mask=cmask)
+        y_t = saturate(transposed(x, x_raw, RAW_T), recip(sb)[:, None], FP8_MAX).to(data_t_ptr.dtype.element_ty)
+        tl.store(data_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], y_t,
+                 mask=cmask[:, None] & rmask[None, :])
+
+
+def _group_strides(scale: torch.Tensor, g0: int, g1: int) -> tuple[int, int, int, int]:
+    """(group0, stride0, group1, stride1) for indexing ``scale``; group 0 = whole dim (stride 0)."""
+    return (g0 or 1, scale.stride(0) if g0 else 0, g1 or 1, scale.stride(1) if g1 else 0)
+
+
+def launch_cast(x: torch.Tensor, data: torch.Tensor, sa: torch.Tensor, data_t: torch.Tensor | None,
+                sb: torch.Tensor | None, groups: tuple[int, int], pow2: bool, cfg: Config,
+                sa_out: torch.Tensor | None = None, sb_out: torch.Tensor | None = None, partials: int = 0,
+                amax_out: torch.Tensor | None = None) -> None:
+    """Cast ``x`` with scales ``sa`` (and ``x.T`` with ``sb``); from amax if ``sa_out`` is given.
+
+    ``groups``: the spec's group lengths along (M, K), 0 for a whole dimension. ``partials``
+    (tensorwise, from amax): ``sa`` holds that many partial maxima of ``launch_amax_flat(partial=True)``.
+    ``amax_out`` (``cast_partials`` int32 slots): each program's max ``|x|`` as int32 bits.
+    """
+    m, k = x.shape
+    if not x.numel():
+        return
+    gm, gk = groups
+    a_m, sa0, a_k, sa1 = _group_strides(sa, gm, gk)
+    transpose = data_t is not None
+    b_k, sb0, b_m, sb1 = _group_strides(sb, gm, gk) if transpose else (1, 0, 1, 0)
+    if (gk and gk % cfg.bk) or (transpose and gk and gk % cfg.bm):
+        raise ValueError(f"launch_cast: tile {cfg.bm}x{cfg.bk} straddles a group of {groups}; "
+                         "use tiles that divide the group.")
+    from_amax = sa_out is not None
+    grid = (triton.cdiv(m, cfg.bm), triton.cdiv(k, cfg.bk))
+    wrap_triton(_cast_kernel)[grid](
+        x, data, sa, sa_out if from_amax else sa, data_t if transpose else data,
+        sb if transpose else sa, sb_out if (from_amax and transpose) else sa,
+        m, k, sa0, sa1, sb0, sb1, A_M=a_m, A_K=a_k, B_K=b_k, B_M=b_m, FROM_AMAX=from_amax,
+        **consts(data.dtype, pow2), TRANSPOSE=transpose, BM=cfg.bm, BK=cfg.bk,
+        NPART=partials, NPART_P2=triton.next_power_of_2(max(partials, 1)),
+        amax_ptr=sa if amax_out is None else amax_out, AMAX_OUT=amax_out is not None,
+        RAW_T=cfg.raw_t and transpose, num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def cast_partials(x: torch.Tensor, cfg: Config) -> int:
+    """The length of ``launch_cast``'s ``amax_out`` on ``x`` with ``cfg``: one slot per program."""
+    m, k = x.shape
+    return triton.cdiv(m, cfg.bm) * triton.cdiv(k, cfg.bk)
