@@ -1,6 +1,7 @@
 """``verify(model, step_fn)`` (profiler proof that FP8 GEMMs ran, per layer) and ``python -m fp8func.demo``."""
 
 import logging
+import os
 import sys
 
 import pytest
@@ -162,23 +163,136 @@ def test_verify_under_fsdp2_reports_fp8_all_gathers():
         assert all(all_gather == "high precision" for *_, all_gather in rows)
 
 
-def test_demo_main_trains_both_and_writes_the_png(tmp_path, capsys):
+def _demo(tmp_path, capsys, *extra):
     from fp8func.demo import main
 
     out = tmp_path / "loss.png"
-    assert main(["--steps", "3", "--seq", "64", "--batch", "4", "--device", "cpu", "--out", str(out)]) == 0
+    threads = torch.get_num_threads()
+    rc = main(["--steps", "3", "--seq", "64", "--batch", "4", "--device", "cpu", "--threads", "1", "--out", str(out),
+               *extra])
+    assert torch.get_num_threads() == threads  # main() sets its threads and puts them back
     printed = capsys.readouterr().out
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-    for line in ("fp8func: converted 29/29 linear layers (recipe=tensorwise, fsdp_fp8_all_gather=False)",
-                 "29/29 linear layers in FP8",  # report(model)
-                 "FP8 verified: 29/29 FP8 layers ran FP8 GEMMs (emulated on cpu: gemm_path -> 'emulated'; "
-                 "aten::_scaled_mm ran 0 times).",
-                 "FP8 path: emulated on cpu", "| | bf16 loss | fp8 loss | fp8 vs bf16 |", "| step 3 | ",
-                 "| final (mean of last 3) | ", "| held-out, 2,048 tokens (after training) | ", f"loss curves: {out}"):
-        assert line in printed, line
-    step1 = next(line for line in printed.splitlines() if line.startswith("| step 1 |"))
-    bf16, fp8 = (float(v) for v in step1.split("|")[2:4])
+    assert rc == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    return printed.splitlines()
+
+
+def _row(lines, name):
+    return [c.strip() for c in next(line for line in lines if line.startswith(f"| {name} |")).split("|")[2:-1]]
+
+
+def test_demo_prints_a_short_header_the_fp8_check_and_the_loss_table(tmp_path, capsys):
+    lines = _demo(tmp_path, capsys)
+    assert lines[0].startswith("fp8func demo: bf16 vs FP8 (tensorwise) on cpu (")
+    assert "1 CPU thread (--threads)" in lines[0]
+    assert lines[1].startswith("model: Llama, 4 layers") and lines[1].endswith("29/29 linear layers in FP8")
+    assert lines[2].startswith("data: alice.txt as bytes, 3 steps x 4 x 64 tokens; runs: bf16 and fp8 from seed 0, "
+                               "bf16 from seed 1 (noise reference)")
+    assert lines[3] == "| linear layers | count | FP8 | GEMMs per step (fwd + bwd) | status |"  # then the results
+    assert _row(lines, "model.layers.*.self_attn.q_proj") == ["4", "yes", "emulated x3", "ok: FP8 emulated on cpu"]
+    assert _row(lines, "lm_head") == ["1", "yes", "emulated x3", "ok: FP8 emulated on cpu"]
+    assert sum(line.startswith("| model.layers.*.") for line in lines) == 7  # one row per kind of layer
+    assert ("FP8 verified: 29/29 FP8 layers ran FP8 GEMMs (emulated on cpu: gemm_path -> 'emulated'; "
+            "aten::_scaled_mm ran 0 times).") in lines
+    assert any(line.startswith("FP8 path: emulated on cpu") for line in lines)
+    assert "| loss (nats/byte) | bf16 | fp8 | bf16 seed 1 | fp8 vs bf16 | bf16 seed 1 vs bf16 |" in lines
+    bf16, fp8, seed1 = (float(v) for v in _row(lines, "step 1")[:3])
     assert abs(fp8 - bf16) < 0.05 and 5.0 < bf16 < 6.0  # same init and batch: ~ln(256) before any update
+    assert seed1 != bf16 and 5.0 < seed1 < 6.0  # another init, the same batch
+    assert len(_row(lines, "final (mean of last 3 steps)")) == 5 and len(_row(lines, "held-out, 2,048 tokens")) == 5
+    assert any(line.startswith("last 1 steps (mean of 3): fp8 vs bf16 ") and "bf16 seed 1 vs bf16 at most" in line
+               for line in lines)
+    assert lines[-1].startswith(f"loss curves: {tmp_path / 'loss.png'}; total ")
+    assert len(lines) < 30
+
+
+def test_demo_runs_one_bf16_run_per_noise_seed(tmp_path, capsys):
+    lines = _demo(tmp_path, capsys, "--noise-seeds", "2", "--seed", "3")
+    assert "runs: bf16 and fp8 from seed 3, bf16 from seed 4, 5 (noise reference)" in lines[2]
+    assert ("| loss (nats/byte) | bf16 | fp8 | bf16 seed 4 | bf16 seed 5 | fp8 vs bf16 | bf16 seed 4 vs bf16 "
+            "| bf16 seed 5 vs bf16 |") in lines
+    step1 = [float(v) for v in _row(lines, "step 1")[:4]]
+    assert len(set(step1[2:] + step1[:1])) == 3  # three inits: three losses
+    assert any("bf16 seed 4, bf16 seed 5 vs bf16 at most" in line for line in lines)
+    lines = _demo(tmp_path, capsys, "--noise-seeds", "0")
+    assert "| loss (nats/byte) | bf16 | fp8 | fp8 vs bf16 |" in lines
+    assert any(line.endswith("no bf16 run with another seed: no noise estimate (--noise-seeds 1 or more).")
+               for line in lines)
+
+
+def _result(name, kind, seed, losses, held=2.0):
+    from fp8func.demo._report import RunResult
+
+    return RunResult(name, kind, seed, tuple(losses), held, 1.0)
+
+
+def test_noise_band_and_verdict():
+    from fp8func.demo import _report
+
+    assert _report.noise_envelope([[0.0, 1.0, -2.0, 0.0, 0.0, 0.0]], 1) == [1.0, 2.0, 2.0, 2.0, 0.0, 0.0]
+    assert _report.noise_envelope([[0.5, 0.0, 0.0], [0.0, 0.0, -0.7]], 0) == [0.5, 0.0, 0.7]
+    ref = [3.0 - 0.01 * i for i in range(40)]
+    noisy = [v * (1.02 if i % 2 else 0.98) for i, v in enumerate(ref)]  # +-2% around the reference
+    close = [v * 1.005 for v in ref]
+    runs = [_result("bf16", "bf16", 0, ref), _result("fp8", "fp8", 0, close), _result("bf16 seed 1", "bf16", 1, noisy)]
+    line = _report.verdict(runs)
+    assert line.startswith("last 10 steps (mean of 3): fp8 vs bf16 +0.50% on average, at most 0.50%")
+    assert "the FP8 gap is within the noise." in line
+    far = [v * 1.05 for v in ref]
+    runs[1] = _result("fp8", "fp8", 0, far)
+    assert "the FP8 gap is larger than the noise." in _report.verdict(runs)
+
+
+def test_png_draws_bf16_fp8_and_the_seed_band(tmp_path):
+    from matplotlib.collections import PolyCollection
+
+    from fp8func.demo import _plot, _report
+
+    ref = [3.0 - 0.01 * i for i in range(80)]
+    seed1 = [v * (1.0 + 0.01 * ((i // 10) % 2)) for i, v in enumerate(ref)]  # 0% and 1% in turns of 10 steps
+    runs = [_result("bf16", "bf16", 0, ref), _result("fp8", "fp8", 0, [v * 1.002 for v in ref]),
+            _result("bf16 seed 1", "bf16", 1, seed1)]
+    fig = _plot.figure(runs, "title")
+    top, bottom = fig.axes[:2]
+    labels = [t.get_text() for t in top.get_legend().get_texts()]
+    assert labels == ["bf16 seed spread (seeds 0, 1)", "bf16 (seed 0)", "fp8 (seed 0, same init and batches as bf16)"]
+    labels = [t.get_text() for t in bottom.get_legend().get_texts()]
+    assert labels[1:] == ["bf16 seed 1 gap", "fp8 gap"] and labels[0].startswith("noise: largest gap")
+    dashed = [line for line in top.get_lines() if line.get_label().startswith("fp8")]
+    assert dashed[0].get_linestyle() == "--" and dashed[0].get_zorder() > 2  # drawn over bf16, which shows through
+    band = next(c for c in bottom.collections if isinstance(c, PolyCollection))
+    top_edge = max(band.get_paths()[0].vertices[:, 1])
+    half = _report.smoothing(80)
+    assert top_edge == pytest.approx(max(_report.noise_envelope([_report.gap_pct(runs[0], runs[2], half)], half)))
+    assert top_edge > 0.9  # the 1% turns of seed 1
+    _plot.plot(str(tmp_path / "p.png"), runs, "title")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_check_table_groups_ok_layers_and_names_failures():
+    from fp8func.demo._report import check_table
+    from fp8func.nn import LayerCheck, Verification
+
+    ok = "FP8 emulated on cpu"
+    rows = [LayerCheck(f"model.layers.{i}.mlp.up_proj", True, True, "emulated x3", 0, "-", ok) for i in range(3)]
+    rows.append(LayerCheck("model.layers.3.mlp.up_proj", True, False, "high precision x3", 0, "-", "replaced"))
+    rows.append(LayerCheck("lm_head", False, True, "high precision x3", 0, "-", "not converted: excluded by filter"))
+    table = check_table(Verification(False, tuple(rows), "cpu", "FP8 CHECK FAILED: 1/4")).splitlines()
+    assert table[2:] == ["| model.layers.*.mlp.up_proj | 3 | yes | emulated x3 | ok: FP8 emulated on cpu |",
+                         "| model.layers.3.mlp.up_proj | 1 | yes | high precision x3 | FAILED: replaced |",
+                         "| lm_head | 1 | no | high precision x3 | ok: not converted: excluded by filter |",
+                         "FP8 CHECK FAILED: 1/4"]
+
+
+def test_auto_threads_leave_busy_cores_alone(monkeypatch):
+    from fp8func.demo import _train
+
+    monkeypatch.setattr(_train, "_cores", lambda: 2)
+    for load, threads in ((0.1, 2), (0.7, 1), (3.5, 1)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert _train._auto_threads() == (threads, f"of 2 cores, load {load:.1f}")
+    monkeypatch.setattr(_train, "_cores", lambda: 64)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert _train._auto_threads()[0] == 4
 
 
 def test_demo_data_order_is_fixed_and_progress_falls_back(monkeypatch, capsys):
@@ -191,13 +305,17 @@ def test_demo_data_order_is_fixed_and_progress_falls_back(monkeypatch, capsys):
     assert all(torch.equal(a[i], b[i]) for i in range(4)) and not torch.equal(a[0], a[1])
     with pytest.raises(ValueError, match=r"seq=20000 does not fit the corpus .* use --seq below 14443"):
         Batches(tokens, steps=1, batch=1, seq=20000)
-    monkeypatch.setitem(sys.modules, "tqdm", None)  # no tqdm: plain lines on stderr
-    bar = _report.progress(range(20), 20, "train")
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # no tqdm: one line on stderr, rewritten with \r
+    bar = _report.progress(range(1, 200), 200, "train", initial=1)
     for i in bar:
-        bar.set_postfix_str(f"loss {i}")
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 10 and err[0] == "train [##                  ] 2/20 loss 1"
-    assert err[-1] == "train [####################] 20/20 loss 19"
+        bar.set_postfix_str("loss " + "9" * (i % 3))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("\n") and err.count("\r") == 100  # one update per percent
+    frames = err[1:-1].split("\r")
+    assert frames[0] == "train [                    ] 2/200 loss 9"  # the first item is 1: step 2 of 200
+    assert frames[-3:] == ["train [################### ] 196/200 loss  ",
+                           "train [################### ] 198/200 loss 99",
+                           "train [####################] 200/200 loss 9 "]  # padded over the longer frame before
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 import fp8func as f8
 import fp8func.nn._stats as stats_mod
 from fp8func.nn._stats import NumericsStats, tensor_stats
+from fp8func import stats_plot
 from fp8func.stats_plot import main as plot_main
 
 from .models import batch, tiny_qwen3
@@ -234,7 +236,71 @@ def test_json_and_plot(tmp_path):
     png = tmp_path / "out.png"
     plot_main([str(path), str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    steps, values = stats_plot._grid(data["records"], ["0", "2"], "dy", "amax")
+    assert steps == [0, 1, 2] and values[1][2] == [r["amax"] for r in data["records"]
+                                                  if (r["layer"], r["tensor"], r["step"]) == ("2", "dy", 2)][0]
     empty = tmp_path / "empty.json"
     empty.write_text('{"every": 1, "records": []}')
     with pytest.raises(ValueError, match="no records"):
         plot_main([str(empty), str(tmp_path / "x.png")])
+
+
+def _png_size(path):
+    head = path.read_bytes()[:24]  # PNG signature, IHDR length and type, then width and height
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def _deep_model_records(blocks=32, steps=(0, 50, 100)):
+    """Records as a 32-block Llama writes them: 7 linears per block and lm_head; dy in backward order."""
+    kinds = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj")
+    layers = [f"model.layers.{b}.{k}" for b in range(blocks) for k in kinds] + ["lm_head"]
+    records = []
+    for s in steps:
+        for i, layer in enumerate(layers):
+            for t in ("x", "w"):
+                records.append({"step": s, "layer": layer, "tensor": t, "amax": 1.0 + i + s, "underflow_pct": 0.01,
+                                "sqnr_db": 31.0, "scale": 0.01, "saturation_pct": 0.0, "top_binade_pct": 1.0})
+        for i, layer in reversed(list(enumerate(layers))):
+            if not (s == 100 and layer == "lm_head"):  # one dy missing
+                records.append({"step": s, "layer": layer, "tensor": "dy", "amax": 1e-4 * (i + 1),
+                                "underflow_pct": 2.0 if i == 5 else 0.0, "sqnr_db": None if i == 0 else 25.0,
+                                "scale": 1e-6, "saturation_pct": 0.0, "top_binade_pct": 1.0})
+    records.append(dict(records[0], amax=123.0))  # a second forward of the first layer at step 0: the last counts
+    return layers, records
+
+
+def test_heatmap_of_a_32_layer_model(tmp_path):
+    layers, records = _deep_model_records()
+    assert stats_plot._layers(records) == layers  # forward order, though dy records come in backward order
+    steps, amax = stats_plot._grid(records, layers, "x", "amax")
+    assert steps == [0, 50, 100] and amax[0] == [123.0, 51.0, 101.0] and amax[224][2] == 100 + 225
+    steps, uf = stats_plot._grid(records, layers, "dy", "underflow_pct")
+    assert uf[5] == [2.0] * 3 and uf[6] == [0.0] * 3 and math.isnan(uf[224][2])  # no record: NaN (grey)
+    sqnr = stats_plot._grid(records, layers, "dy", "sqnr_db")[1]
+    assert math.isnan(sqnr[0][0]) and sqnr[1][0] == 25.0  # null (exact cast): NaN
+    blocks = stats_plot._blocks(layers)
+    assert len(blocks) == 33 and blocks[:2] == [(0, "layers.0"), (7, "layers.1")] and blocks[-1] == (224, "lm_head")
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({"every": 50, "records": records}))
+    deep, shallow = tmp_path / "deep.png", tmp_path / "shallow.png"
+    assert stats_plot.plot(str(path), str(deep)) == 225
+    few = [r for r in records if r["layer"].startswith(("model.layers.0.", "lm_head"))]
+    path.write_text(json.dumps({"every": 50, "records": few}))
+    assert stats_plot.plot(str(path), str(shallow), metrics=["underflow_pct"]) == 8
+    (w_deep, h_deep), (w_few, h_few) = _png_size(deep), _png_size(shallow)
+    assert h_deep <= 3 * 600 + 60 and w_deep <= 1500  # 3 tensors x 3 metrics, panels at most 6 inches tall
+    assert h_few < h_deep and w_few < w_deep
+    with pytest.raises(ValueError, match=r"metrics=\['amax', 'bogus'\]; expected one or more of"):
+        stats_plot.plot(str(path), str(shallow), metrics=["amax", "bogus"])
+
+
+def test_heatmap_colour_limits_keep_harmless_spreads_dark():
+    import numpy as np
+
+    assert stats_plot._limits(np.array([0.0, 0.01, 0.03]), "underflow_pct") == (0.0, 1.0, "neither")
+    lo, hi, extend = stats_plot._limits(np.array([0.0] * 50 + [5.0] * 49 + [60.0]), "underflow_pct")
+    assert (lo, extend) == (0.0, "max") and 5.0 <= hi < 60.0  # one outlier does not set the scale
+    assert stats_plot._limits(np.array([31.0, 31.2, 31.4]), "sqnr_db") == pytest.approx((28.2, 34.2, "neither"))  # 6 dB
+    lo, hi, extend = stats_plot._limits(np.array([25.0] * 200 + [48.0]), "sqnr_db")
+    assert hi < 48.0 and extend == "max"

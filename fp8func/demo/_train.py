@@ -1,10 +1,10 @@
-"""``python -m fp8func.demo``: a small Llama trained on a public-domain book, bf16 and FP8 side by side."""
+"""``python -m fp8func.demo``: a small Llama trained on a public-domain book, bf16 and FP8 side by side,
+and bf16 again with another seed to show how much two runs differ anyway."""
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import logging
 import math
 import os
@@ -13,11 +13,11 @@ import sys
 import time
 
 import torch
+from torch import nn
 
 from .._scaling import Recipe
-from ..nn import convert, report
-from ..nn._verify import verify
-from . import _report
+from ..nn import Fp8Linear, convert, report, verify
+from . import _plot, _report
 from ._data import CORPUS, VOCAB, Batches, load_tokens
 
 __all__ = ["main", "build_model"]
@@ -26,13 +26,18 @@ __all__ = ["main", "build_model"]
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fp8func.demo", description=__doc__)
     p.add_argument("--recipe", default="tensorwise", help="fp8func recipe name (tensorwise, rowwise, ...)")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu or cuda")
     p.add_argument("--out", default="fp8_demo_loss.png", help="where to write the loss-curve PNG")
-    p.add_argument("--seq", type=int, default=128, help="tokens (bytes) per sequence")
+    p.add_argument("--seq", type=int, default=64, help="tokens (bytes) per sequence")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="init seed of the bf16 and fp8 runs, and the batch order")
+    p.add_argument("--noise-seeds", type=int, default=1,
+                   help="extra bf16 runs with the init seeds after --seed: the run-to-run noise band")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: the idle cores, 1 to 4)")
+    p.add_argument("--verbose", action="store_true", help="also print report(model), the full verify table and "
+                                                          "the fp8func log")
     return p
 
 
@@ -52,8 +57,9 @@ def build_model(seq: int, seed: int = 0, device: str = "cpu"):
 class _Run:
     """One model, its optimizer and schedule (warmup 10%, cosine to 10%), its losses and time."""
 
-    def __init__(self, name: str, model, lr: float, steps: int):
-        self.name, self.model, self.losses, self.seconds = name, model, [], 0.0
+    def __init__(self, name: str, kind: str, seed: int, model, lr: float, steps: int):
+        self.name, self.kind, self.seed, self.model = name, kind, seed, model
+        self.losses, self.seconds = [], 0.0
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
         warmup = max(1, steps // 10)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(
@@ -75,8 +81,9 @@ class _Run:
         self.seconds += time.perf_counter() - t
 
     @torch.no_grad()
-    def held_out(self, windows) -> float:
-        return sum(self.model(input_ids=w, labels=w).loss.item() for w in windows) / len(windows)
+    def result(self, windows) -> _report.RunResult:
+        held = sum(self.model(input_ids=w, labels=w).loss.item() for w in windows) / len(windows)
+        return _report.RunResult(self.name, self.kind, self.seed, tuple(self.losses), held, self.seconds)
 
 
 def _device(name: str) -> torch.device:
@@ -88,6 +95,28 @@ def _device(name: str) -> torch.device:
     return device
 
 
+def _cores() -> int:
+    """The cores this process may run on (its CPU affinity), which ``os.cpu_count`` overstates in a container."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def _auto_threads() -> tuple[int, str]:
+    """The cores no other process keeps busy: cores minus the 1-minute load average, 1 to 4.
+
+    The ops of this small model take microseconds, so with more threads than idle cores each op
+    waits at its fork/join barrier for a descheduled thread, which on a busy machine makes a step
+    10x slower or worse; and at this size more than 4 threads have little left to split."""
+    cores = _cores()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform: assume an idle machine
+        return min(4, cores), f"of {cores} cores"
+    return max(1, min(4, cores, round(cores - load))), f"of {cores} cores, load {load:.1f}"
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -96,80 +125,104 @@ def _cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
-def _header(args, device: torch.device, data: Batches, n_params: int) -> str:
+def _header(args, device: torch.device, n_params: int, fp8, threads: str) -> str:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    return (f"fp8func demo | {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} | torch "
-            f"{torch.__version__} | device {device} ({where}; {torch.get_num_threads()} CPU threads)\n"
-            f"model: Llama, 4 layers, hidden 128, MLP 384, {n_params / 1e6:.2f}M params, bf16 weights, byte-level "
-            f"tokens (vocab {VOCAB})\n"
-            f"data: {CORPUS} ({len(data.train) + len(data.val):,} bytes; {len(data.val):,} held out), {args.steps} "
-            f"steps x {args.batch} x {args.seq} tokens, same init and batch order for bf16 and fp8")
+    linears = [m for m in fp8.modules() if isinstance(m, nn.Linear)]
+    n_fp8 = sum(isinstance(m, Fp8Linear) for m in linears)
+    noise = ", ".join(str(args.seed + i) for i in range(1, args.noise_seeds + 1))
+    return (f"fp8func demo: bf16 vs FP8 ({args.recipe}) on {device} ({where}; {threads}), "
+            f"torch {torch.__version__}\n"
+            f"model: Llama, 4 layers, hidden 128, {n_params / 1e6:.2f}M params, bf16 weights; {n_fp8}/{len(linears)} "
+            f"linear layers in FP8\n"
+            f"data: {CORPUS} as bytes, {args.steps} steps x {args.batch} x {args.seq} tokens; runs: bf16 and fp8 from "
+            f"seed {args.seed}" + (f", bf16 from seed {noise} (noise reference)" if noise else "")
+            + "; same batches for all")
 
 
 def _path_line(v, device: torch.device) -> str:
     if not v.ok:
-        return f"FP8 path: NOT VERIFIED on {device} -- {v.summary}"
+        return f"FP8 path: NOT VERIFIED on {device} (see the FAILED rows above)"
     if device.type == "cpu":
-        return ("FP8 path: emulated on cpu (gemm_path -> 'emulated': FP8 casts and numerics, fp32 GEMMs; "
-                "no FP8 speedup on a CPU)")
+        return "FP8 path: emulated on cpu (FP8 casts and numerics, fp32 GEMMs; no FP8 speedup on a CPU)"
     return f"FP8 path: hardware on {device} (aten::_scaled_mm ran {sum(r.scaled_mm for r in v.rows)} times in one step)"
 
 
-def _train(args, device: torch.device, data: Batches):
+def _runs(args, device: torch.device) -> list[_Run]:
+    """bf16 and its FP8 copy (same init), then bf16 from other seeds: the first run is the reference."""
     bf16 = build_model(args.seq, args.seed, device)
-    print(_header(args, device, data, sum(p.numel() for p in bf16.parameters())), flush=True)
     fp8 = convert(copy.deepcopy(bf16), Recipe.from_name(args.recipe), fsdp_fp8_all_gather=False)
-    report(fp8)
-    runs = [_Run("bf16", bf16, args.lr, args.steps), _Run("fp8", fp8, args.lr, args.steps)]
+    runs = [_Run("bf16", "bf16", args.seed, bf16, args.lr, args.steps),
+            _Run("fp8", "fp8", args.seed, fp8, args.lr, args.steps)]
+    for seed in range(args.seed + 1, args.seed + 1 + args.noise_seeds):
+        model = build_model(args.seq, seed, device)
+        runs.append(_Run(f"bf16 seed {seed}", "bf16", seed, model, args.lr, args.steps))
+    return runs
+
+
+def _train(args, runs: list[_Run], data: Batches, device: torch.device):
+    """Trains every run on the same batches; the first FP8 step runs under ``verify``."""
     checks = []
 
-    def verified(step_fn):  # the first fp8 step runs under the profiler: which layers ran FP8 GEMMs
-        checks.append(verify(fp8, step_fn, print_table=False))
+    def verified(step_fn):  # which layers ran FP8 GEMMs, from the profile of a real training step
+        checks.append(verify(runs[1].model, step_fn, print_table=False))
         return checks[0].output
 
     ids = data[0].to(device)
-    runs[0].step(ids)
-    runs[1].step(ids, through=verified)
-    print(f"{checks[0]}\n{_path_line(checks[0], device)}", flush=True)
-    for r in runs:
-        r.seconds = 0.0  # step 1 (warm-up, profiler) is not timed
-    bar = _report.progress(range(1, args.steps), args.steps - 1, f"training bf16 + fp8 ({args.recipe})")
+    for r in runs:  # step 1 warms up and runs the fp8 step under the profiler: not timed
+        r.step(ids, through=verified if r.kind == "fp8" else None)
+        r.seconds = 0.0
+    bar = _report.progress(range(1, args.steps), args.steps, "training", initial=1)
     for i in bar:
         ids = data[i].to(device)
         for r in runs:
             r.step(ids)
-        bar.set_postfix_str(f"bf16 {runs[0].losses[-1]:.3f}  fp8 {runs[1].losses[-1]:.3f}")
-    return runs, checks[0]
+        bar.set_postfix_str("  ".join(f"{r.name} {r.losses[-1]:.3f}" for r in runs))
+    return checks[0]
+
+
+def _results(args, runs: list[_Run], data: Batches, device: torch.device, check) -> list[_report.RunResult]:
+    windows = [w.to(device) for w in data.held_out(args.batch)]
+    results = [r.result(windows) for r in runs]
+    print(check if args.verbose else _report.check_table(check))
+    print(_path_line(check, device))
+    print(_report.loss_table(results, sum(w.numel() for w in windows)))
+    print(_report.verdict(results))
+    if args.steps > 1:
+        print("time per step (steps 2 on): " + ", ".join(
+            f"{r.name} {1000 * r.seconds / (args.steps - 1):.1f} ms" for r in results))
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the demo; returns 0, or 1 when the FP8 check failed (see the verify table)."""
     args = _parser().parse_args(argv)
-    if args.steps < 1:
-        raise ValueError(f"--steps {args.steps}: expected at least 1.")
+    if args.steps < 1 or args.noise_seeds < 0 or args.threads < 0:
+        raise ValueError(f"--steps {args.steps}, --noise-seeds {args.noise_seeds}, --threads {args.threads}: "
+                         "expected steps >= 1, noise-seeds >= 0 and threads >= 0 (0: the idle cores).")
     device = _device(args.device)
-    log = logging.getLogger("fp8func")
+    log, threads = logging.getLogger("fp8func"), torch.get_num_threads()
     handler, level = logging.StreamHandler(sys.stdout), log.level
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    log.setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
-        data = Batches(load_tokens(), steps=args.steps, batch=args.batch, seq=args.seq, seed=args.seed)
+        n, why = (args.threads, "--threads") if args.threads else _auto_threads()
+        torch.set_num_threads(n)
         start = time.perf_counter()
-        runs, checked = _train(args, device, data)
-        windows = [w.to(device) for w in data.held_out(args.batch)]
-        held = tuple(r.held_out(windows) for r in runs)
-        print(_report.loss_table(runs[0].losses, runs[1].losses, held, sum(w.numel() for w in windows)))
-        timed, tokens = args.steps - 1, args.batch * args.seq
-        for r in runs[:timed and 2]:
-            print(f"{r.name}: {1000 * r.seconds / timed:.1f} ms/step, {tokens * timed / r.seconds:,.0f} tokens/s "
-                  f"(steps 2-{args.steps}, {device})")
+        data = Batches(load_tokens(), steps=args.steps, batch=args.batch, seq=args.seq, seed=args.seed)
+        runs = _runs(args, device)
+        print(_header(args, device, sum(p.numel() for p in runs[0].model.parameters()), runs[1].model,
+                      f"{n} CPU thread{'s' if n > 1 else ''} ({why})"), flush=True)
+        if args.verbose:
+            report(runs[1].model)
+        check = _train(args, runs, data, device)
+        results = _results(args, runs, data, device, check)
         title = (f"fp8func demo: {args.recipe} vs bf16, Llama 4x128 on {CORPUS}, {args.steps} steps x "
                  f"{args.batch}x{args.seq}, {device}")
-        _report.plot(args.out, runs[0].losses, runs[1].losses, title)
-        print(f"loss curves: {os.path.abspath(args.out)}")
-        print(f"total {time.perf_counter() - start:.1f} s; {_path_line(checked, device)}")
+        _plot.plot(args.out, results, title)
+        print(f"loss curves: {os.path.abspath(args.out)}; total {time.perf_counter() - start:.1f} s")
     finally:
+        torch.set_num_threads(threads)
         log.removeHandler(handler)
         log.setLevel(level)
-    return 0 if checked.ok else 1
+    return 0 if check.ok else 1
