@@ -260,9 +260,12 @@ def prime_lazy_state(names, mesh, device) -> None:
         for wrap in (lambda t: t, lambda t: DTensor.from_local(t, submesh(mesh, "tp"), [Replicate()], run_check=False)):
             x, w = (wrap(torch.randn(32, 32, device=device, dtype=torch.bfloat16).requires_grad_()) for _ in "xw")
             r = fp8func_recipe(recipe)
-            state = f8.LinearScalingState.init(r.delayed.history_len, device) if r.delayed else None
-            y = f8.linear(x, w, None, recipe=r, state=state)
-            (y[0] if state is not None else y).sum().backward()
+            if r.delayed:
+                state = f8.LinearScalingState.init(r.delayed.history_len, device).requires_grad_()
+                y, _ = f8.linear_delayed(x, w, None, r, state)
+            else:
+                y = f8.linear(x, w, None, r)
+            y.sum().backward()
 
 
 def sync(device):

@@ -135,9 +135,12 @@ def prime(names, device, configs: dict = CONFIGS) -> None:
     for recipe in sorted({configs[n][1] for n in names if configs[n][0] == "fp8func"}):
         r = fp8func_recipe(recipe)
         x, w = (torch.randn(128, 128, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in "xw")
-        state = f8.LinearScalingState.init(r.delayed.history_len, x.device) if r.delayed else None
-        y = f8.linear(x, w, None, recipe=r, state=state)
-        (y[0] if state is not None else y).sum().backward()
+        if r.delayed:
+            state = f8.LinearScalingState.init(r.delayed.history_len, x.device).requires_grad_()
+            y, _ = f8.linear_delayed(x, w, None, r, state)
+        else:
+            y = f8.linear(x, w, None, r)
+        y.sum().backward()
 
 
 def sync(device) -> None:
