@@ -289,14 +289,13 @@ def _checkpointed_delayed(rank, world_size, checkpointing):
 
 
 def test_activation_checkpointing_with_delayed_scaling_under_fsdp2():
-    """FSDP2 + checkpoint_wrapper + delayed scaling: with ``context_fn=checkpoint_context`` the
-    recomputed layers cast with their forward's state (losses bitwise the run without
-    checkpointing); without it the recomputation raises instead of training on other casts."""
+    """FSDP2 + checkpoint_wrapper + delayed scaling: the recomputed layers cast with their
+    forward's state (the forward never moves it), so the losses are bitwise the run without
+    checkpointing, with or without the (no-op) ``context_fn=checkpoint_context``."""
     plain = run_workers(_checkpointed_delayed, 2, None)
     replayed = run_workers(_checkpointed_delayed, 2, "context")
-    assert plain == replayed and all(isinstance(r, list) and len(r) == 3 for r in plain), (plain, replayed)
-    failed = run_workers(_checkpointed_delayed, 2, "plain")[0]
-    assert isinstance(failed, str) and "context_fn=fp8func.nn.checkpoint_context" in failed, failed
+    stock = run_workers(_checkpointed_delayed, 2, "plain")
+    assert plain == replayed == stock and all(isinstance(r, list) and len(r) == 3 for r in plain), (plain, stock)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
