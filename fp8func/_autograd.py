@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from ._casts import _cast, _cast_delayed, _forward_transposes, activation_casts, weight_casts
 from ._delayed import LinearScalingState, ScalingState, consume, record_merged
+from ._formats import tracing
 from ._gathered import gathered_casts
 from ._gemm import gemm
 from ._plan import LinearPlan, operand, plan, transposed, untileable
@@ -297,7 +298,7 @@ def _given_in_backward(t: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tenso
     grad_output cast's scale, an fp32 tensor the GEMM reads anyway (given ``dy`` itself, inductor
     would store the bf16 ``dy`` that it otherwise fuses unrounded into the cast).
     """
-    if not torch.compiler.is_compiling():
+    if not tracing():
         return t
     dep = grad_scale.to_local() if isinstance(grad_scale, DTensor) else grad_scale
     if isinstance(t, DTensor):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from ._formats import tracing
 from ._ops import quantize, quantize_with_scale
 from ._plan import LinearPlan, operand, plan, transposed
 from ._qtensor import Fp8Meta, Fp8Tensor
@@ -84,7 +85,7 @@ def _dtensor_kernels(t, spec: CastSpec, transpose: bool, kernels: str) -> bool:
     copy for tensorwise only (the other granularities take other groups for ``t.T``)."""
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(t, DTensor) or torch.compiler.is_compiling() or (transpose and not isinstance(
+    if not isinstance(t, DTensor) or tracing() or (transpose and not isinstance(
             spec.granularity, TensorWise)):
         return False
     if not all(isinstance(p, (Shard, Replicate)) for p in t.placements):

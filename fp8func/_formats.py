@@ -19,6 +19,7 @@ __all__ = [
     "round_up_to_pow2",
     "to_e8m0",
     "fp8_ulp",
+    "tracing",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -29,6 +30,13 @@ FP8_DTYPES = (E4M3, E5M2)
 # Exponent bias and mantissa bits of the two element formats (OCP FP8).
 _MANTISSA_BITS = {E4M3: 3, E5M2: 2}
 _MIN_NORMAL_EXP = {E4M3: -6, E5M2: -14}
+
+
+def tracing() -> bool:
+    """Whether this code is being traced by torch.compile: dynamo, or AOTAutograd tracing the
+    body of an ``allow_in_graph`` function (the casts and GEMMs of ``linear``), where
+    ``torch.compiler.is_compiling()`` is False but tensors are fake."""
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
 
 
 def check_fp8_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ._formats import E4M3, E5M2
+from ._formats import E4M3, E5M2, tracing
 from ._ops import dequantize
 from ._qtensor import Fp8Tensor
 from ._scaling import MX, AxisWise, BlockWise, TensorWise, _norm_axis
@@ -169,7 +169,7 @@ def _rowwise_out_dtype_ok(device: torch.device, out_dtype: torch.dtype) -> bool:
 def _scaled_mm(kind: str, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     if kind == "blockwise":  # lays out its own operands (inside the custom op when compiling)
         b_128x128 = _canonical(b.granularity) == BlockWise((128, 128))
-        if torch.compiler.is_compiling():
+        if tracing():
             # torch 2.11's dynamo cannot trace F.scaled_mm (torch._scaled_mm_v2 is not in its trace
             # rules); an opaque custom op with a fake implementation keeps fullgraph=True working.
             return _blockwise_scaled_mm_op(a.data, b.data, a.scale, b.scale, b_128x128, out_dtype)
@@ -303,7 +303,7 @@ def _gemm_sharded(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, path: str,
                 "Redistribute the high-precision tensor before quantizing it."
             )
         out.append(rule)
-    if torch.compiler.is_compiling() and la.data.ndim == 2:
+    if tracing() and la.data.ndim == 2:
         # Traced, a DTensor's local tensor can claim strides the real one lacks (torch 2.11: a
         # column-major local of a transposed cast can trace as row-major, so _row_major would keep
         # it and scaled_mm's meta check fail in the lazily compiled backward). Copies fix the

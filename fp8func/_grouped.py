@@ -28,7 +28,7 @@ import optree
 import torch
 import torch.utils._pytree as pytree
 
-from ._formats import E4M3, saturate_cast
+from ._formats import E4M3, saturate_cast, tracing
 from ._gemm import _col_major, _log_fallback
 from ._ops import _reciprocal, dequantize, quantize
 from ._qtensor import Fp8Meta, Fp8Tensor
@@ -102,7 +102,7 @@ def check_offsets(offs, groups: int, rows: int, what: str) -> None:
             f"{what}: offs is {got}; expected an int32 vector of {groups} group end offsets "
             "(e.g. torch.cumsum(tokens_per_expert, 0, dtype=torch.int32))."
         )
-    if offs.device.type == "cpu" and not torch.compiler.is_compiling():
+    if offs.device.type == "cpu" and not tracing():
         _check_offset_values(offs.tolist(), rows, what)
 
 
@@ -189,7 +189,7 @@ def _grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
     the result depends on the values alone. It reads ``offs`` on the host, so under torch.compile
     it runs as an opaque custom op (the same body: compiled equals eager bitwise).
     """
-    if torch.compiler.is_compiling():
+    if tracing():
         return _grouped_mm_fp32_op(a, b, offs)
     return _grouped_mm_loop(a, b, offs)
 

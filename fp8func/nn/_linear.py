@@ -80,19 +80,23 @@ class Fp8Linear(nn.Linear):
         self._hook_grad_output_state()
 
     def _hook_grad_output_state(self) -> None:
-        """The next state comes back as the gradient of the state buffers: write it into them.
+        """The next state comes back as the gradient of the state buffers: make them require grad,
+        and hook one of them (the input's scale, which every delayed plan records) to write all of
+        them at the end of the backward (``_write_states``).
 
         Hooks live on tensors and are not copied with them, so the layer remembers (weakly) which
-        of its current buffers it hooked: a deepcopy, a pickle or ``.to()`` hooks the new ones."""
-        hooked = [r for r in self.__dict__.get("_hooked_state", ()) if r() is not None]
-        for name in self._STATE:
-            for t in (getattr(self, f"fp8_{name}_history", None), getattr(self, f"fp8_{name}_scale", None)):
-                if t is None or t.is_meta or any(r() is t for r in hooked):
-                    continue
+        buffer it hooked: a deepcopy, a pickle or ``.to()`` hooks the new one."""
+        state = self.scaling_state()
+        if state is None or state.input.scale.is_meta:
+            return
+        for t in state.tensors():
+            if not t.requires_grad:
                 t.requires_grad_(True)
-                t.register_post_accumulate_grad_hook(_StateGradHook(self))
-                hooked.append(weakref.ref(t))
-        self._hooked_state = tuple(hooked)
+        hooked = self.__dict__.get("_hooked_state")
+        if hooked is not None and hooked() is state.input.scale:
+            return
+        state.input.scale.register_post_accumulate_grad_hook(_StateGradHook(self))
+        self._hooked_state = weakref.ref(state.input.scale)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -195,21 +199,41 @@ def _check_fp8_weights(recipe: Recipe, fsdp_fp8_all_gather: bool) -> None:
 
 
 class _StateGradHook:
-    """Writes a state buffer's gradient (its next value) into it, and ends the layer's step: the
-    state is fresh again and no call's state is pending."""
+    """Queues the layer's state write for the end of the backward (one callback per backward)."""
 
     def __init__(self, layer: Fp8Linear):
         self._layer = weakref.ref(layer)
 
     def __call__(self, t: torch.Tensor) -> None:
-        if t.grad is None:  # compiled code may accumulate no gradient into a buffer it did not read
-            return
-        # A state is replicated: under TP the buffer or its gradient may be a replicated DTensor.
-        grad = t.grad.full_tensor() if isinstance(t.grad, DTensor) else t.grad
-        with torch.no_grad():
-            (t.to_local() if isinstance(t, DTensor) else t).copy_(grad)
-        t.grad = None
         layer = self._layer()
-        if layer is not None:
-            layer._pending = None
-            refresh(layer.scaling_state())
+        if layer is None:
+            return
+        if not _TO_WRITE:
+            torch.autograd.Variable._execution_engine.queue_callback(_write_states)
+        _TO_WRITE.append(layer)
+
+
+# The layers whose next states the running backward produced; written by one callback at its end.
+_TO_WRITE: list[Fp8Linear] = []
+
+
+def _write_states() -> None:
+    """Writes each queued layer's state gradients (its next state) into its buffers, with one
+    multi-tensor copy for the whole model, and ends the layers' step (no state pending, the state
+    fresh again). At the end of the backward, every state gradient has been accumulated."""
+    targets, values = [], []
+    for layer in _TO_WRITE:
+        state = layer.scaling_state()
+        for t in state.tensors():
+            if t.grad is None:  # a state the plan does not record (a dynamic weight)
+                continue
+            # A state is replicated: under TP the buffer or its gradient may be a replicated DTensor.
+            targets.append(t.to_local() if isinstance(t, DTensor) else t)
+            values.append(t.grad.full_tensor() if isinstance(t.grad, DTensor) else t.grad)
+            t.grad = None
+        layer._pending = None
+        refresh(state)
+    _TO_WRITE.clear()
+    if targets:
+        with torch.no_grad():
+            torch._foreach_copy_(targets, values)
