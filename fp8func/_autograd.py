@@ -78,8 +78,9 @@ def _cast_operand(t, spec: CastSpec, given: dict, name: str, state, transpose: b
 
 class _LinearFn(torch.autograd.Function):
     """Outputs: y; the x and w payloads the backward reads (non-differentiable); with delayed
-    scaling, the six state tensors passed on (differentiable: their gradients are the later
-    uses' new states) and the x and w amaxes recorded (non-differentiable)."""
+    scaling, the six state tensors passed on, packed in one vector (differentiable: its gradient
+    is the later uses' new states; one output, so one tangent), and the x and w amaxes recorded
+    (non-differentiable, one vector)."""
 
     @staticmethod
     def forward(x, weight, bias, p: LinearPlan, layout: _Layout, *leaves):
@@ -96,16 +97,17 @@ class _LinearFn(torch.autograd.Function):
         out = (y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale)
         if states is None:
             return out
-        passed = tuple(t.clone() for st in states for t in st)
+        passed = torch.cat([t.reshape(-1) for st in states for t in st])
         zero = qx.scale.new_zeros(1)
-        return out + passed + (zero if x_amax is None else x_amax, zero if w_amax is None else w_amax)
+        amaxes = torch.cat([_plain(zero if x_amax is None else x_amax), _plain(zero if w_amax is None else w_amax)])
+        return out + (passed, amaxes)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, p, layout, *leaves = inputs
         gw, gx, states = _unpack(layout, leaves)
         _, qx_data, qx_scale, qw_data, qw_scale, *rest = output
-        ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale, *rest[6:])
+        ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale, *rest[1:])
         ctx.plan, ctx.layout = p, layout
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -116,7 +118,7 @@ class _LinearFn(torch.autograd.Function):
         if x_kind == "missing":
             raise ValueError(f"linear: plan {p.name!r} needs the input itself or its 'x_t' cast in the backward.")
         ctx.x_kind, ctx.w_kind = x_kind, w_kind
-        state_saved = () if states is None else (*(t for st in states for t in st), *rest[6:])
+        state_saved = () if states is None else (*(t for st in states for t in st), *rest[1:])
         ctx.save_for_backward(*x_saved, *w_saved, *state_saved)
 
     @staticmethod
@@ -150,7 +152,7 @@ class _LinearFn(torch.autograd.Function):
                                  "use the stock RowwiseParallel for layers with a bias.")
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         given = (None,) * (2 * (len(ctx.layout.w_given) + len(ctx.layout.x_given)))
-        states = () if not ctx.layout.delayed else _next_states(ctx, state_saved, grads[4:10], dy_amax)
+        states = () if not ctx.layout.delayed else _next_states(ctx, state_saved, grads[4], dy_amax)
         return (dx, dw, db, None, None, *given, *states)
 
     @staticmethod
@@ -234,11 +236,17 @@ def _cast_grad_output(dy2, given, state, want_first: bool, want_second: bool, p:
     return qdy, qdy_t, None
 
 
-def _next_states(ctx, saved: tuple, incoming: tuple, dy_amax) -> tuple:
+def _next_states(ctx, saved: tuple, passed_grad, dy_amax) -> tuple:
     """The gradients of the six state inputs: each state after this use's amax is recorded
-    (``record_merged``); ``None`` for a state this plan does not record (a dynamic weight)."""
+    (``record_merged``); ``None`` for a state this plan does not record (a dynamic weight).
+    ``passed_grad``: the gradient of the packed state this use passed on (zeros, or None, when
+    no later use read it)."""
     p: LinearPlan = ctx.plan
-    xh, xs, wh, ws, dyh, dys, x_amax, w_amax = saved
+    xh, xs, wh, ws, dyh, dys, amaxes = saved
+    x_amax, w_amax = amaxes[0:1], amaxes[1:2]
+    if isinstance(passed_grad, DTensor):  # a state is replicated; under TP its gradient may come as a DTensor
+        passed_grad = passed_grad.full_tensor()
+    incoming = _unpack_state(passed_grad, (xh, xs, wh, ws, dyh, dys))
     algo, sharding = p.delayed.algo, ctx.layout.sharding
     amaxes = (_global_amax(x_amax, sharding), None if not p.delayed.weight else _global_amax(w_amax, None),
               None if dy_amax is None else _global_amax(dy_amax, sharding))
@@ -249,12 +257,24 @@ def _next_states(ctx, saved: tuple, incoming: tuple, dy_amax) -> tuple:
         if amax is None:
             out += [None, None]
             continue
-        # a state's tensors are plain (replicated) on every rank; under TP autograd may hand the
-        # passed-on state's gradient back as a replicated DTensor
-        h, s, gh, gs = (t.full_tensor() if isinstance(t, DTensor) else t for t in (h, s, gh, gs))
-        gh = torch.zeros_like(h) if gh is None else gh
-        gs = torch.zeros_like(s) if gs is None else gs
+        h, s = (_plain(t) for t in (h, s))
         out += list(record_merged(ScalingState(h, s), ScalingState(gh, gs), amax, spec, algo))
+    return tuple(out)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's values (a state or an amax is the same on every rank)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _unpack_state(flat, like: tuple) -> tuple:
+    """The six state tensors packed in ``flat`` (zeros when ``flat`` is None), shaped as ``like``."""
+    if flat is None:
+        return tuple(torch.zeros_like(_plain(t)) for t in like)
+    out, i = [], 0
+    for t in like:
+        out.append(flat[i:i + t.numel()].view(t.shape))
+        i += t.numel()
     return tuple(out)
 
 
@@ -381,8 +401,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     out = _LinearFn.apply(x, weight, bias, p, layout, *w_leaves, *x_leaves, *states)
     if state is None:
         return out[0], None
-    t = out[5:11]
-    return out[0], LinearScalingState(ScalingState(t[0], t[1]), ScalingState(t[2], t[3]), ScalingState(t[4], t[5]))
+    return out[0], LinearScalingState.from_tensors(_unpack_state(out[5], state.tensors()))
 
 
 def linear(

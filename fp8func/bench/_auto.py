@@ -1,15 +1,19 @@
-"""``convert(filter="auto")`` checked against measurement: is any layer it converts slower than bf16?
+"""``convert(filter="auto")``'s decisions against isolated layers: which converted layers are slower?
 
 For each shape (tokens x in_features x out_features) and recipe: the decision ``convert(...,
 filter="auto", tokens=M)`` takes on one ``nn.Linear`` (and the speedup its roofline model
 expects), then the measured fwd+bwd of the bf16 layer and of the same layer in FP8, compiled,
 timed synchronized and back to back (``bench._linear``). The FP8 layer is timed whatever the
-decision, so the table shows both kinds of error: a converted layer slower than bf16 (what
-the issue's target forbids; counted in the last line) and a layer kept in bf16 that FP8 would
-have sped up (a missed gain, not a slowdown).
+decision, so the table shows both kinds of error: a converted layer slower than bf16 (counted
+in the last line) and a layer kept in bf16 that FP8 would have sped up (a missed gain).
 
-Default shapes: the issue's six plus the Llama-3-8B projections (4096x4096 q/o, 4096x1024 k/v,
-4096x14336 gate/up, 14336x4096 down) at 2048, 4096 and 8192 tokens, where the break-even lies.
+``convert`` prices a layer as it runs inside a compiled model, where its host time overlaps the
+other layers' GPU time; an isolated layer pays that host time, so small layers converted for a
+model can show here as slower. ``python -m fp8func.bench model --configs ...,auto`` checks the
+decisions where they apply, on a whole model.
+
+Default shapes: six linears (4096 to 16384 tokens) plus the Llama-3-8B projections (4096x4096
+q/o, 4096x1024 k/v, 4096x14336 gate/up, 14336x4096 down) at 2048, 4096 and 8192 tokens.
 """
 
 from __future__ import annotations
