@@ -314,7 +314,7 @@ def grouped_gemm(a, b, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat
     On the hardware path (CUDA sm90) torch's kernel asserts on the device unless, in the second
     form, every group is a positive multiple of 16 rows: ``align_groups`` pads them.
     ``fast_accum``: ``use_fast_accum`` for that kernel (no periodic fp32 promotion of the
-    accumulator: ~3.5x faster on an H200 for Qwen3-30B-A3B's experts, see ``Recipe.fast_accum``).
+    accumulator: several times faster for MoE experts, docs/benchmarks.md; see ``Recipe.fast_accum``).
 
     Example:
         >>> qa = f8.quantize(torch.randn(10, 32), spec)                        # spec: AxisWise(-1)

@@ -81,8 +81,8 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
 
     Computed in fp64 and rounded to fp32: double rounding is harmless for a quotient when the
     wider format has at least 2p+2 bits (53 >= 2*24+2), so this equals the IEEE fp32 reciprocal.
-    Inductor's generated GPU code computes an fp32 ``1 / x`` with an approximate division (it
-    differed from eager for 14% of scales on an H200), an fp64 one exactly.
+    Inductor's generated GPU code computes an fp32 ``1 / x`` with an approximate division, which
+    differs from eager in the last bit for many scales; an fp64 one exactly.
     """
     return torch.reciprocal(scale.double()).float()
 

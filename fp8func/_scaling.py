@@ -236,7 +236,7 @@ def compute_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> t
     """Dequantization scale from amax: ``max(amax, EPS) * (1 / fp8_max)``, optionally rounded up to 2**k."""
     # A multiply by the fp32 constant 1/fp8_max, not a division: CUDA divides by a scalar as a
     # multiply by its reciprocal while the CPU divides, so only the multiply is bitwise the same
-    # on every device (seen on an H200: a / 448 matched the CPU for 45% of values).
+    # on every device (a / 448 differs in the last bit for about half the values).
     scale = amax.float().clamp(min=EPS) * (1.0 / fp8_max(dtype))
     return round_up_to_pow2(scale) if power_of_2 else scale
 
@@ -344,8 +344,8 @@ class Recipe:
             ``linear`` then takes and returns an explicit ``LinearScalingState``.
         fast_accum: the GEMMs (``"output"``, ``"grad_input"``, ``"grad_weight"``) whose hardware
             kernels may accumulate in the tensor cores' reduced-precision accumulator without
-            periodic promotion to fp32 (``use_fast_accum``). Faster (3.5x for the row-wise grouped
-            GEMM on an H200, docs/moe.md), less precise for long contractions; the emulated path
+            periodic promotion to fp32 (``use_fast_accum``). Faster (several times for the row-wise
+            grouped GEMM, docs/benchmarks.md), less precise for long contractions; the emulated path
             ignores it. Empty by default: every GEMM promotes.
         kernels: which casts run the fused Triton kernels: "auto" (CUDA tensors), "off", or
             "reference" (the kernels' PyTorch twins everywhere; the same bits, for tests).

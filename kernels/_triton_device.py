@@ -78,8 +78,8 @@ def transposed(x, x_raw, RAW_T: tl.constexpr):
     transposed and then upcast (the same values: the upcast is exact; ``Config.raw_t``).
 
     Every transposed copy is cast from a transposed high-precision tile, never by transposing
-    the fp8 tile: Triton 3.6 miscompiles some layouts of a transposed 8-bit tensor (3/8 of the
-    bytes wrong on an H200), while every transposed-first layout tested is right.
+    the fp8 tile: Triton 3.6 miscompiles some layouts of a transposed 8-bit tensor (a share of
+    the bytes come out wrong), while every transposed-first layout tested is right.
     """
     if RAW_T:
         x_t = tl.trans(x_raw).to(tl.float32)

@@ -230,8 +230,8 @@ def test_backward_reads_a_given_weight_cast_after_its_refill(compiled, dtensor):
     # the weight's ``w`` cast, and ``w_t`` (the grad_input GEMM's) shares its buffer until FSDP2
     # refills that buffer in its pre-backward hook. The backward must read ``w_t`` then. Under
     # compile, AOTAutograd's partitioner may compute an op that needs no gradient in the forward
-    # graph and save its result: that used to read w_t's buffer while it
-    # still held w's bytes (wrong gradients on two H200s with torch 2.11, FSDP2 x TP, compiled).
+    # graph and save its result, which would read w_t's buffer while it still holds w's bytes
+    # (wrong gradients).
     # The test compiles with the partition that moves every such op (``_hoisting_partition``);
     # ``dtensor``: the operands are DTensors (a one-rank mesh), as under TP.
     if dtensor:
