@@ -27,6 +27,9 @@ import pathlib
 import re
 from dataclasses import dataclass
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -72,7 +75,7 @@ def parse(path: pathlib.Path) -> list[Block]:
 
 
 BLOCKS = [b for path in DOCS for b in parse(path)]
-_NAMESPACES: dict[str, dict] = {}   # file -> the namespace its blocks share
+_NAMESPACES: dict[str, types.ModuleType] = {}   # file -> the module whose namespace its blocks share
 _RAN: dict[str, set[int]] = {}      # file -> lines of the blocks that ran without error
 
 
@@ -89,9 +92,11 @@ def test_doc_block_runs(block: Block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     if block.path not in _NAMESPACES:
         torch.manual_seed(0)
-        _NAMESPACES[block.path] = {"__name__": "__docs__"}
+        # a real module: torch.compile looks up the module of the functions it traces
+        _NAMESPACES[block.path] = types.ModuleType("__docs__")
         _RAN[block.path] = set()
-    ns = _NAMESPACES[block.path]
+    monkeypatch.setitem(sys.modules, "__docs__", _NAMESPACES[block.path])
+    ns = _NAMESPACES[block.path].__dict__
     # Run any earlier block of the file that has not run yet (the test was selected with -k).
     for earlier in BLOCKS:
         if earlier.path == block.path and earlier.line < block.line and not earlier.skip:
