@@ -51,6 +51,7 @@ from . import distributed as distributed
 from . import nn as nn
 from .nn import convert as convert
 from .nn import report as report
+from .nn import unconvert as unconvert
 from .nn import MasterWeights as MasterWeights
 from .nn import PrecisionSchedule as PrecisionSchedule
 from .nn import verify as verify
@@ -105,4 +106,5 @@ __all__ = [
     "sqnr",
     "verify",
     "to_e8m0",
+    "unconvert",
 ]

@@ -147,9 +147,11 @@ def test_state_dict_round_trip_stages_the_values():
     a = f8.convert(tiny_qwen3(layers=1), "tensorwise", fp8_weights=True)
     ids, labels = batch(0, 0)
     sd = a.state_dict()
-    assert type(sd["model.layers.0.mlp.up_proj.weight"]) is Fp8WeightParam  # the parameter itself
+    w = a.model.layers[0].mlp.up_proj.weight
+    assert type(sd["model.layers.0.mlp.up_proj.weight"]) is torch.Tensor  # the plain values, as nn.Linear's
+    assert torch.equal(sd["model.layers.0.mlp.up_proj.weight"], w.dequantize())
     b = f8.convert(tiny_qwen3(layers=1, seed=1), "tensorwise", fp8_weights=True)
-    b.load_state_dict({k: v.dequantize() if isinstance(v, Fp8WeightParam) else v for k, v in sd.items()})
+    b.load_state_dict(sd)
     assert b.model.layers[0].mlp.up_proj.weight.is_staged
     assert torch.equal(b(input_ids=ids, labels=labels).loss, a(input_ids=ids, labels=labels).loss)
 

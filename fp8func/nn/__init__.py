@@ -4,7 +4,9 @@ from ._checkpoint import checkpoint_context as checkpoint_context
 from ._convert import LayerReport as LayerReport
 from ._convert import Report as Report
 from ._convert import convert as convert
+from ._convert import plan_conversion as plan_conversion
 from ._convert import report as report
+from ._convert import unconvert as unconvert
 from ._linear import Fp8Linear as Fp8Linear
 from ._master import MasterWeights as MasterWeights
 from ._moe import MoE as MoE
@@ -19,5 +21,5 @@ from ._verify import Verification as Verification
 from ._verify import verify as verify
 
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MasterWeights", "MoE", "NumericsStats",
-           "PrecisionSchedule", "Report", "Router", "Verification", "checkpoint_context", "convert", "report",
-           "tensor_stats", "verify"]
+           "PrecisionSchedule", "Report", "Router", "Verification", "checkpoint_context", "convert", "plan_conversion",
+           "report", "tensor_stats", "unconvert", "verify"]

@@ -13,8 +13,8 @@ from .._delayed_linear import linear_delayed
 from .._gathered import gathered_casts
 from .._scaling import Recipe
 from ._checkpoint import current_phase
-from ..distributed._fp8_weights import Fp8WeightParam, check_fp8_weights_recipe
-from ..distributed._fsdp import Fp8AllGatherWeight
+from ._weights import FP8_ALL_GATHER, FP8_WEIGHTS, check_fp8_weights_recipe, hp_weight, local_of, weight_kind, \
+    weight_type, wrap_weight
 
 __all__ = ["Fp8Linear"]
 
@@ -44,6 +44,8 @@ class Fp8Linear(nn.Linear):
     """
 
     _STATE = ("x", "w", "dy")
+    note = ""  # convert()'s note on this layer (auto figures, a tied weight gathered in bf16, ...)
+    conversion = None  # the Report of the convert() call that made this layer (report(model) reads it)
     fp8_weights = False  # True: the weight is an Fp8WeightParam (convert(..., fp8_weights=True))
     fp8_enabled = True  # False: plain F.linear in high precision (PrecisionSchedule's bf16 phases)
     amax_sharding = None  # delayed scaling: how the tokens are split over ranks (share_scaling_state)
@@ -56,7 +58,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_weights = fp8_weights
         if fp8_weights:
             _check_fp8_weights(self.recipe, fsdp_fp8_all_gather)
-            self.weight = nn.Parameter(Fp8WeightParam(self.weight.data, self.recipe))
+            self.weight = nn.Parameter(weight_type(FP8_WEIGHTS)(self.weight.data, self.recipe))
             return
         if self.recipe.delayed is not None:
             if self.recipe.delayed.weight:
@@ -64,7 +66,7 @@ class Fp8Linear(nn.Linear):
                 self.fsdp_fp8_all_gather = False
             self._init_state(self.weight.device)
         if fsdp_fp8_all_gather:
-            self.weight = nn.Parameter(Fp8AllGatherWeight(self.weight.data, self.recipe))
+            self.weight = nn.Parameter(weight_type(FP8_ALL_GATHER)(self.weight.data, self.recipe))
 
     def _init_state(self, device) -> None:
         state = LinearScalingState.init(self.recipe.delayed.history_len, device)
@@ -74,13 +76,15 @@ class Fp8Linear(nn.Linear):
         self._hook_grad_output_state()
 
     def _hook_grad_output_state(self) -> None:
-        """The grad_output state comes back as a gradient: write it into the buffer, drop the grad."""
+        """The grad_output state comes back as a gradient: write it into the buffer, drop the grad.
+
+        Whether a buffer has the hook is read from its hooks, not from a flag on the tensor: copies
+        (``copy.deepcopy``, ``torch.load``) carry a tensor's attributes but not its hooks."""
         for t in (getattr(self, "fp8_dy_history", None), getattr(self, "fp8_dy_scale", None)):
-            if t is None or t.is_meta or getattr(t, "_fp8func_hooked", False):
+            if t is None or t.is_meta or _apply_state_grad in (t._post_accumulate_grad_hooks or {}).values():
                 continue
             t.requires_grad_(True)
             t.register_post_accumulate_grad_hook(_apply_state_grad)
-            t._fp8func_hooked = True
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -107,9 +111,9 @@ class Fp8Linear(nn.Linear):
                       fsdp_fp8_all_gather=False)
         weight = linear_.weight
         if fp8_weights:
-            weight = nn.Parameter(Fp8WeightParam(weight.data, recipe), requires_grad=weight.requires_grad)
+            weight = nn.Parameter(weight_type(FP8_WEIGHTS)(weight.data, recipe), requires_grad=weight.requires_grad)
         elif fsdp_fp8_all_gather:
-            weight = nn.Parameter(Fp8AllGatherWeight(weight.data, recipe), requires_grad=weight.requires_grad)
+            weight = nn.Parameter(weight_type(FP8_ALL_GATHER)(weight.data, recipe), requires_grad=weight.requires_grad)
         new.weight = weight
         new.bias = linear_.bias
         new.fsdp_fp8_all_gather = fsdp_fp8_all_gather
@@ -118,16 +122,75 @@ class Fp8Linear(nn.Linear):
             new._init_state(linear_.weight.device)
         return new
 
+    def _weight_kind(self) -> str | None:
+        """The registered weight type this layer keeps its weight in (None: a plain tensor)."""
+        return FP8_WEIGHTS if self.fp8_weights else FP8_ALL_GATHER if self.fsdp_fp8_all_gather else None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "weight"
+        if not keep_vars and key in destination:
+            # Plain high-precision values (a DTensor over them under FSDP2 / TP), as an nn.Linear's
+            # state_dict has: safetensors, save_pretrained, torch.load(weights_only=True) and every
+            # model read them. FP8 weights give their master's values where MasterWeights keeps one.
+            destination[key] = hp_weight(self.weight)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key, kind = prefix + "weight", self._weight_kind()
+        value = state_dict.get(key)
+        if (kind is not None and local_metadata.get("assign_to_params_buffers", False)
+                and isinstance(value, torch.Tensor) and weight_kind(value) != kind):
+            # load_state_dict(assign=True) (accelerate's FSDP2 loading does it) puts the checkpoint's
+            # tensor in place of the weight: it takes this layer's weight type.
+            state_dict[key] = wrap_weight(value, kind, self.recipe)
+        master = local_of(self.weight).master if kind == FP8_WEIGHTS else None
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        local = local_of(self.weight)
+        if master is not None and local.master is not master:  # assigned: the master takes the loaded values
+            local.attach_master(master, sync=True)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        kind, w = self._weight_kind(), self._parameters.get("weight")
+        if kind is not None and isinstance(w, torch.Tensor) and weight_kind(w) != kind:
+            # Pickled (torch.save of the model, copy by pickling) as its plain values: wrap them again.
+            self.weight = nn.Parameter(wrap_weight(w, kind, self.recipe), requires_grad=w.requires_grad)
+
+    @torch.no_grad()
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` with this layer's parameters (``fp8func.unconvert`` calls it).
+
+        The bias is the same ``Parameter``; the weight is the same tensor for a high-precision
+        weight, the wrapped tensor itself (same storage, no copy) for the fp8 all-gather weight,
+        and the high-precision values of FP8 weights (their master's where ``MasterWeights`` keeps
+        one), in the weight's dtype. Raises for a sharded weight (FSDP2, tensor parallel).
+        """
+        w = self.weight
+        if isinstance(w, DTensor):
+            raise ValueError(
+                "fp8func.unconvert: this layer's weight is a DTensor (sharded by FSDP2 or tensor parallel); "
+                "unconvert before fully_shard / parallelize_module, or load the model's full state_dict "
+                "(torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
+                "full_state_dict=True))) into a plain model.")
+        with torch.device("meta"):
+            new = nn.Linear(self.in_features, self.out_features, bias=False)
+        if weight_kind(w) is not None:
+            w = nn.Parameter(hp_weight(w).to(w.dtype), requires_grad=w.requires_grad)
+        new.weight, new.bias = w, self.bias
+        return new.train(self.training)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        local = w._local_tensor if isinstance(w, DTensor) else w
+        local = local_of(w)
         w_casts = gathered_casts(w)
         if not self.fp8_enabled:
             if w_casts is not None:
                 raise RuntimeError("fp8func: a high-precision phase reached a layer whose weight FSDP2 gathered in "
                                    "FP8; convert with fsdp_fp8_all_gather=False to schedule precisions.")
             return F.linear(x, w, self.bias)
-        if isinstance(local, Fp8WeightParam):
+        if isinstance(local, weight_type(FP8_WEIGHTS)):
             if local is not w:
                 raise RuntimeError(
                     "fp8func: this layer's fp8 weight reached its forward still sharded (a DTensor): only "

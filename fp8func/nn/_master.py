@@ -19,7 +19,7 @@ from .._casts import weight_casts
 from .._ops import quantize_with_scale
 from .._scaling import compute_amax, compute_scale
 from .._sharding import reduce_amax
-from ..distributed._fp8_weights import Fp8WeightParam
+from ._weights import FP8_WEIGHTS, local_of, weight_kind
 
 __all__ = ["MasterWeights", "master_name"]
 
@@ -30,8 +30,30 @@ def master_name(fqn: str) -> str:
     return fqn.replace(".", "__")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+_local = local_of
+
+
+def _move_grad_to_master(p: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a trained fp8 weight: its gradient goes to its master at once
+    (converted to the master's dtype, added to what the master already holds), so that the
+    optimizer's parameters carry every gradient the next step uses: ``clip_grad_norm_``,
+    ``zero_grad`` and NaN checks over ``masters.parameters()`` see them. FSDP2 calls the hook on
+    the sharded parameter after its reduce-scatter."""
+    master = _local(p).master
+    if master is None or p.grad is None:
+        return
+    with torch.no_grad():
+        grad = p.grad.to(master.dtype)
+        if master.grad is None:
+            master.grad = grad
+        else:
+            master.grad.add_(grad)
+    p.grad = None
+
+
+def _hook(p: torch.Tensor) -> None:
+    if _move_grad_to_master not in (p._post_accumulate_grad_hooks or {}).values():
+        p.register_post_accumulate_grad_hook(_move_grad_to_master)
 
 
 class MasterWeights(nn.Module):
@@ -73,9 +95,11 @@ class MasterWeights(nn.Module):
                 raise ValueError(f"MasterWeights: parameters {fqn!r} and another both map to {name!r}; rename one.")
             if not p.requires_grad:
                 continue
-            local = _local(p)
-            if isinstance(local, Fp8WeightParam):
-                self.register_parameter(name, _master_of(p, local, dtype))
+            if weight_kind(p) == FP8_WEIGHTS:
+                if _local(p).master is not None:
+                    raise ValueError(f"MasterWeights: {fqn} already has a master (another MasterWeights trains it); "
+                                     "build one MasterWeights per model and train through it.")
+                self.register_parameter(name, _master_of(p, _local(p), dtype))
                 parent, _, attr = fqn.rpartition(".")
                 fp8.append((model.get_submodule(parent), attr, name))
             else:
@@ -84,26 +108,43 @@ class MasterWeights(nn.Module):
             raise ValueError("MasterWeights: the model has no trainable fp8 weights; convert it with "
                              "fp8func.convert(model, recipe, fp8_weights=True) first.")
         self._fp8 = fp8  # (module, attribute, master name): the weight is read afresh at each use
+        self._attach()
+
+    def _attach(self) -> None:
+        """Each fp8 weight gets its master (checkpoints and writes reach it) and the hook that moves
+        its gradients there."""
+        for module, attr, name in self._fp8:
+            p = getattr(module, attr)
+            if weight_kind(p) == FP8_WEIGHTS:
+                _local(p).attach_master(getattr(self, name))
+                _hook(p)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._attach()  # a copy (copy.deepcopy, pickle) of the model and its masters together
 
     def _weights(self):
         for module, attr, name in self._fp8:
             p = getattr(module, attr)
-            if not isinstance(_local(p), Fp8WeightParam):
+            if weight_kind(p) != FP8_WEIGHTS:
                 raise RuntimeError(
                     f"MasterWeights: {type(module).__name__}.{attr} is no longer an Fp8WeightParam (a "
                     f"{type(_local(p)).__name__}): the model's parameter was replaced after MasterWeights was "
                     "built, or FSDP2 holds it unsharded (call step/requantize outside forward and backward)."
                 )
-            yield p, getattr(self, name)
+            master = getattr(self, name)
+            if _local(p).master is not master:  # replaced (load_state_dict(assign=True)): take its values
+                _local(p).attach_master(master, sync=True)
+                _hook(p)
+            yield p, master
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Moves the fp8 weights' gradients to their masters, runs ``optimizer.step()``,
-        re-quantizes the fp8 weights and ``optimizer.zero_grad()``."""
-        for p, master in self._weights():
-            if p.grad is not None:
-                grad = p.grad.to(master.dtype)
-                master.grad = grad if master.grad is None else master.grad + grad
-                p.grad = None
+        """Runs ``optimizer.step()``, re-quantizes the fp8 weights and ``optimizer.zero_grad()``.
+
+        The fp8 weights' gradients are on their masters already (moved as each is accumulated);
+        one set on a weight by other means (``p.grad = ...``) is moved first."""
+        for p, _ in self._weights():
+            _move_grad_to_master(p)
         optimizer.step()
         self.requantize()
         optimizer.zero_grad()
@@ -135,7 +176,7 @@ class MasterWeights(nn.Module):
                 flat = reduce_amax(flat, mesh, dims)
             for item, amax in zip(items, flat.split([item[4].numel() for item in items])):
                 item[4] = amax.view_as(item[4])
-        casts: dict[int, tuple[Fp8WeightParam, dict]] = {}
+        casts: dict[int, tuple[torch.Tensor, dict]] = {}
         for w, values, cast, spec, amax in pending:
             scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
             casts.setdefault(id(w), (w, {}))[1][cast] = quantize_with_scale(values, scale, spec)
@@ -152,7 +193,7 @@ class MasterWeights(nn.Module):
         return out
 
 
-def _master_of(p: torch.Tensor, local: Fp8WeightParam, dtype: torch.dtype) -> nn.Parameter:
+def _master_of(p: torch.Tensor, local: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
     """A ``dtype`` copy of the fp8 weight ``p`` (its staged values, or its forward cast
     dequantized), sharded like it."""
     with torch.no_grad():
