@@ -52,6 +52,7 @@ from . import nn as nn
 from .nn import convert as convert
 from .nn import report as report
 from .nn import unconvert as unconvert
+from .nn import export_fp8 as export_fp8
 from .nn import MasterWeights as MasterWeights
 from .nn import PrecisionSchedule as PrecisionSchedule
 from .nn import verify as verify
@@ -88,6 +89,7 @@ __all__ = [
     "all_gather",
     "compute_amax",
     "convert",
+    "export_fp8",
     "distributed",
     "nn",
     "precompute_scales",

@@ -7,6 +7,7 @@ from ._convert import convert as convert
 from ._convert import plan_conversion as plan_conversion
 from ._convert import report as report
 from ._convert import unconvert as unconvert
+from ._export import export_fp8 as export_fp8
 from ._linear import Fp8Linear as Fp8Linear
 from ._master import MasterWeights as MasterWeights
 from ._moe import MoE as MoE
@@ -21,5 +22,5 @@ from ._verify import Verification as Verification
 from ._verify import verify as verify
 
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MasterWeights", "MoE", "NumericsStats",
-           "PrecisionSchedule", "Report", "Router", "Verification", "checkpoint_context", "convert", "plan_conversion",
+           "PrecisionSchedule", "Report", "Router", "Verification", "checkpoint_context", "convert", "export_fp8", "plan_conversion",
            "report", "tensor_stats", "unconvert", "verify"]
