@@ -60,6 +60,16 @@ from .distributed import precompute_scales as precompute_scales
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # fp8func.hf (the HF Trainer integration) imports transformers: loaded on first use only.
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module(".hf", __name__)
+    raise AttributeError(f"module 'fp8func' has no attribute {name!r}")
+
+
 __all__ = [
     "E4M3",
     "E5M2",

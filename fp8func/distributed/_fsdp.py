@@ -2,7 +2,7 @@
 
 Two tensor types, both thin:
 
-* ``Fp8AllGatherWeight`` is the *sharded* weight (``DTensor._local_tensor`` under FSDP2). It is
+* ``Fp8AllGatherWeight`` is the *sharded* weight (the local tensor of FSDP2's DTensor). It is
   an ordinary high-precision tensor to everyone (optimizer, init, state_dict) and implements
   ``fsdp_pre_all_gather``: cast the shard to the param dtype exactly as FSDP2's default path
   does, quantize it with the amax reduced over the FSDP mesh (``quantize(..., sharding=)``),

@@ -20,7 +20,8 @@ from ._stats import tensor_stats as tensor_stats
 from ._verify import LayerCheck as LayerCheck
 from ._verify import Verification as Verification
 from ._verify import verify as verify
+from ._weights import observe_all_gathers as observe_all_gathers
 
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MasterWeights", "MoE", "NumericsStats",
            "PrecisionSchedule", "Report", "Router", "Verification", "checkpoint_context", "convert", "export_fp8", "plan_conversion",
-           "report", "tensor_stats", "unconvert", "verify"]
+           "observe_all_gathers", "report", "tensor_stats", "unconvert", "verify"]

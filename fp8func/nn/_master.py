@@ -67,9 +67,13 @@ class MasterWeights(nn.Module):
     work: every parameter of the optimizer belongs to ``masters``.
 
     Build it after ``fully_shard``, ``to_empty`` and initialisation, as you would an optimizer.
-    After loading a state dict into it (``load_state_dict``, or DCP's ``set_state_dict``, which
-    calls it) the FP8 weights are re-quantized from the loaded masters. Every rank must call
-    ``step``, ``requantize`` and ``load_state_dict`` together (they all-reduce amaxes).
+    Each fp8 weight's gradient moves to its master as soon as it is accumulated, so clipping,
+    NaN checks and ``zero_grad`` over ``masters.parameters()`` cover the whole model. After
+    loading a state dict into it (``load_state_dict``, or DCP's ``set_state_dict``, which calls
+    it) the FP8 weights are re-quantized from the loaded masters; loading one into the model
+    writes the values into the masters as well, and the model's ``state_dict`` holds the masters'
+    values. Every rank must call ``step``, ``requantize`` and ``load_state_dict`` together (they
+    all-reduce amaxes). One ``MasterWeights`` per model.
 
     Args:
         model: a model converted with ``convert(..., fp8_weights=True)``.
@@ -83,7 +87,8 @@ class MasterWeights(nn.Module):
         >>> masters = f8.nn.MasterWeights(model)
         >>> opt = torch.optim.AdamW(masters.parameters(), lr=3e-4)
         >>> model(**batch).loss.backward()
-        >>> masters.step(opt)   # grads to masters, opt.step(), re-quantize, opt.zero_grad()
+        >>> torch.nn.utils.clip_grad_norm_(masters.parameters(), 1.0)   # every gradient is on the masters
+        >>> masters.step(opt)   # opt.step(), re-quantize, opt.zero_grad()
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32):
