@@ -75,9 +75,11 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 def keep_fsdp2_on_cpu(trainer) -> None:
     """Keeps FSDP2 for a ``Trainer`` whose processes run on the CPU (gloo): accelerate (1.10 to 1.15)
     turns an FSDP plugin into ``DistributedType.FSDP`` only for accelerator process types and drops
-    it under ``use_cpu=True``, so the ``Trainer`` would wrap the model in DDP. This makes the two
+    it under ``use_cpu=True``, so the ``Trainer`` would wrap the model in DDP. This makes the
     assignments accelerate makes for GPUs (the plugin with the run's mixed precision, the FSDP
-    distributed type). Nothing changes on GPUs, or when the plugin was kept."""
+    distributed type, also in the process state that later ``AcceleratorState()`` calls copy).
+    Nothing changes on GPUs, or when the plugin was kept. Call it right after building the Trainer."""
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     state = trainer.accelerator.state
@@ -89,6 +91,8 @@ def keep_fsdp2_on_cpu(trainer) -> None:
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
     state.fsdp_plugin, state.distributed_type = plugin, DistributedType.FSDP
+    # As AcceleratorState.__init__ does: every later AcceleratorState() copies PartialState's fields.
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     trainer.is_fsdp_enabled = True
 
 

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fp8func as f8
 from fp8func.distributed import Fp8AllGatherWeight
@@ -28,7 +28,8 @@ def _readers(rank, world_size, tp):
     model = f8.convert(tiny_qwen3(layers=1), "rowwise")
     if tp:
         parallelize_module(model.model.layers[0], tp_mesh, {"mlp.up_proj": ColwiseParallel(),
-                                                            "mlp.gate_proj": ColwiseParallel()})
+                                                            "mlp.gate_proj": ColwiseParallel(),
+                                                            "mlp.down_proj": RowwiseParallel()})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     fully_shard(model.model.layers[0], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
@@ -62,7 +63,8 @@ def test_every_private_reader_finds_what_it_reads(tp):
     assert (up, "forward") in seen and (up, "backward") in seen and seen[(up, "forward")][0] is True
     assert seen[("lm_head", "forward")][0] is False and ("lm_head", "backward") not in seen
     assert seen[(up, "forward")][1] == ((Shard(0),) if tp else None)  # the TP spec, read, never guessed
-    assert seen[("model.layers.0.mlp.down_proj", "forward")][1] is None
+    assert seen[("model.layers.0.mlp.down_proj", "forward")][1] == ((Shard(1),) if tp else None)
+    assert seen[("model.layers.0.self_attn.q_proj", "forward")][1] is None
 
 
 def test_tp_spec_reads_every_torch_name_and_never_guesses():
