@@ -15,7 +15,7 @@ Checks, each raising if it fails: the fp8 all-gather ran (counted with
 with ``--compare`` a run with ``fsdp_fp8_all_gather=False`` gives bitwise the same losses,
 gradient norms and weights (the seed report's question).
 
-CPU (gloo, tiny model; about 30 s on 2 cores)::
+CPU (gloo, tiny model; about 15 s on 2 cores)::
 
     torchrun --nproc-per-node 2 examples/hf_trainer_fsdp2.py --device cpu --steps 8 --resume-at 4 --compare
 
@@ -33,6 +33,7 @@ runs in CI (tests/test_hf_trainer.py runs ``worker`` CI-sized).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -127,7 +128,7 @@ def run(args, fp8_all_gather: bool, output_dir: str) -> dict:
     check(result, fp8_all_gather, args.steps)
     if args.resume_at:
         ckpt = os.path.join(output_dir, f"checkpoint-{args.resume_at}")
-        resumed = train(args, fp8_all_gather, output_dir, resume=ckpt)
+        resumed = train(args, fp8_all_gather, output_dir, save_at=args.resume_at, resume=ckpt)
         check(resumed, fp8_all_gather, args.steps - args.resume_at)
         if resumed["loss"] != result["loss"][args.resume_at:]:
             raise RuntimeError(f"resumed from {ckpt}: losses {resumed['loss']} != {result['loss'][args.resume_at:]}")
@@ -139,13 +140,8 @@ def worker(rank: int, world_size: int, argv: list[str], fp8_all_gather: bool) ->
     """For ``tests.dist_harness.run_workers``: one checked run in an initialised process group."""
     _launch_env()
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = [tmp]
-        dist.broadcast_object_list(out, src=0)  # one checkpoint directory for all ranks
-        try:
-            return run(args, fp8_all_gather, out[0])
-        finally:
-            dist.barrier()
+    with _shared_tmpdir() as tmp:
+        return run(args, fp8_all_gather, tmp)
 
 
 def _launch_env() -> None:
@@ -157,13 +153,30 @@ def _launch_env() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
 
+@contextlib.contextmanager
+def _shared_tmpdir():
+    """A temporary directory of rank 0 that every rank uses (checkpoints are written by rank 0 and
+    read by all), removed after every rank is done with it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = [tmp]
+        dist.broadcast_object_list(out, src=0)
+        try:
+            yield out[0]
+        finally:
+            dist.barrier()
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
     say(model_line(args) + f", recipe {args.recipe}, {args.device}, text: the demo's book")
+    if not dist.is_initialized():  # torchrun: one process group, which accelerate then uses
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     results = {}
     for fp8_all_gather in [True] + ([False] if args.compare else []):
-        with tempfile.TemporaryDirectory() as tmp:
+        with _shared_tmpdir() as tmp:
             results[fp8_all_gather] = r = run(args, fp8_all_gather, args.output_dir or tmp)
         for i, (loss, norm) in enumerate(zip(r["loss"], r["grad_norm"])):
             say(f"step {i + 1:4d}  loss {loss:.6f}  grad_norm {norm:.6f}  (fp8 all-gather {'on' if fp8_all_gather else 'off'})")
