@@ -37,7 +37,6 @@ only for FSDP2's structural copies).
 from __future__ import annotations
 
 import copy
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -54,9 +53,8 @@ from ._fsdp import _GatherHooks, add_all_gather_input, finish_all_gather_inputs
 
 __all__ = ["Fp8WeightParam", "check_fp8_weights_recipe"]
 
-# Tensor attributes a deep copy leaves behind: the state is cloned, FSDP2's lookup cache is the
-# original's, and the gradient hooks move gradients into the original's master.
-_NOT_COPIED = ("_state", "_fsdp_group", "_post_accumulate_grad_hooks", "_backward_hooks")
+# Tensor attributes a deep copy leaves behind: the state is cloned, FSDP2's lookup cache is the original's.
+_NOT_COPIED = ("_state", "_fsdp_group")
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -141,26 +139,9 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
         return values.clone() if values is self._state.staged else values
 
     def hp_values(self) -> torch.Tensor:
-        """The high-precision values checkpoints, copies and ``unconvert`` store, in this weight's
-        dtype: its master's (``MasterWeights``, the values the optimizer trains) where it has one,
-        else ``dequantize()``. The master itself (no copy) where the dtypes agree."""
-        master = self._state.master_local()
-        if master is not None:
-            return master.detach().to(self.dtype)
+        """``dequantize()``: the high-precision values checkpoints, copies and ``unconvert`` store
+        (an ``Fp8Linear`` trained through ``MasterWeights`` stores its master's values instead)."""
         return self.dequantize()
-
-    @property
-    def master(self) -> torch.Tensor | None:
-        """The master parameter ``MasterWeights`` trains for this weight, or None."""
-        return self._state.master() if self._state.master is not None else None
-
-    def attach_master(self, master: torch.Tensor | None, *, sync: bool = False) -> None:
-        """Makes ``master`` (a parameter placed like this weight; held weakly) the values this
-        weight is re-quantized from: checkpoints store it, and writes to the weight reach it.
-        ``sync=True`` copies this weight's values into it now."""
-        self._state.master = None if master is None else weakref.ref(master)
-        if sync:
-            self._state.sync_master(self.dtype)
 
     def _values(self) -> torch.Tensor:
         """``dequantize()`` without the copy: the staged tensor itself when there is one."""
@@ -299,9 +280,9 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
         return memo[id(self)]
 
     def __reduce_ex__(self, protocol):
-        # Pickled (torch.save) as the plain high-precision tensor (hp_values), an nn.Parameter where
-        # it is one: loadable with weights_only=True, without fp8func. An Fp8Linear that is
-        # unpickled stages its weight again (Fp8Linear.__setstate__).
+        # Pickled (torch.save) as the plain high-precision tensor, an nn.Parameter where it is one:
+        # loadable with weights_only=True, without fp8func. An Fp8Linear that is unpickled stages
+        # its weight again (Fp8Linear.__setstate__).
         values = self.hp_values().detach()
         if getattr(self, "_is_param", False):
             return torch._utils._rebuild_parameter, (values, self.requires_grad, OrderedDict())

@@ -4,17 +4,14 @@ fallback that runs everything else on its high-precision values (writes are stag
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
 
-from .._ops import dequantize
 from .._qtensor import Fp8Tensor
 from .._scaling import raw_block_lengths
 from .._sharding import Sharding
-from ._compat import local_tensor
 
 __all__ = ["HANDLERS", "fallback", "State", "row_block"]
 
@@ -34,15 +31,12 @@ class State:
     set, except in a shell (a flattened view, which FSDP2 keeps and never reads): neither.
     ``param_dtype`` / ``sharding``: what the casts were quantized from and how their amax was
     reduced, recorded at the first quantization (``MasterWeights`` re-quantizes the same way).
-    ``master``: a weak reference to the high-precision master parameter ``MasterWeights`` keeps
-    for this weight (placed like it), if any; a new state (a copy, a row piece) has none.
     """
 
     staged: torch.Tensor | None = None
     casts: dict[str, Fp8Tensor] | None = None
     param_dtype: torch.dtype | None = None
     sharding: tuple[Sharding, ...] | None = None
-    master: weakref.ref | None = None
 
     def carry(self, **changes) -> "State":
         """A new state with this one's recorded param dtype and sharding, and ``changes``."""
@@ -52,21 +46,6 @@ class State:
         if self.staged is None and self.casts is None:
             raise RuntimeError(SHELL_MSG)
 
-    def master_local(self) -> torch.Tensor | None:
-        """The local tensor of this weight's master, or None."""
-        master = self.master() if self.master is not None else None
-        return None if master is None else local_tensor(master)
-
-    @torch.no_grad()
-    def sync_master(self, dtype: torch.dtype) -> None:
-        """After a write to the weight that did not come from its master (a ``copy_`` from a
-        checkpoint, an init function, an update of the weight itself): the master takes the new
-        values, so that the next re-quantization from it does not undo the write."""
-        master = self.master_local()
-        if master is None:
-            return
-        values = self.staged if self.staged is not None else dequantize(self.casts["w"], dtype=dtype)
-        master.copy_(values)
 
 
 def row_block(q: Fp8Tensor) -> int | None:
@@ -262,7 +241,6 @@ def _copy_(cls, self, src, non_blocking=False):
         d.casts = {n: Fp8Tensor(q.data.to(self.device, copy=True), q.scale.to(self.device, copy=True), q.meta)
                    for n, q in s.casts.items()}
     d.param_dtype, d.sharding = s.param_dtype, s.sharding
-    d.sync_master(self.dtype)
     return self
 
 
@@ -319,6 +297,5 @@ def fallback(cls, func, args, kwargs):
     for t in written:
         if t._state.staged is None:
             t._state.staged, t._state.casts = values[id(t)], None
-        t._state.sync_master(t.dtype)
     back = {id(values[id(t)]): t for t in written}
     return pytree.tree_map_only(torch.Tensor, lambda r: back.get(id(r), r), out)

@@ -31,7 +31,6 @@ from .._ops import quantize
 from .._scaling import AxisWise, CastSpec, TensorWise
 from ._convert import _matches
 from ._linear import Fp8Linear
-from ._weights import hp_weight
 
 __all__ = ["export_fp8", "quantization_config"]
 
@@ -102,7 +101,7 @@ def _tensors(model: nn.Module, fp8: dict, granularity, dtype) -> dict[str, torch
         if fqn in layers and name.startswith("fp8_"):
             continue  # delayed-scaling state
         if fqn in fp8 and name == "weight":
-            w = hp_weight(fp8[fqn].weight)
+            w = fp8[fqn]._hp_weight()
             q = quantize(w if dtype is None else w.to(dtype), spec)
             out[key] = q.data.contiguous()
             out[f"{fqn}.weight_scale"] = q.scale.reshape(() if isinstance(granularity, TensorWise) else (-1, 1))

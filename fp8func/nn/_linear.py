@@ -46,6 +46,7 @@ class Fp8Linear(nn.Linear):
     _STATE = ("x", "w", "dy")
     note = ""  # convert()'s note on this layer (auto figures, a tied weight gathered in bf16, ...)
     conversion = None  # the Report of the convert() call that made this layer (report(model) reads it)
+    _master = None  # a weak reference to the master MasterWeights trains for an FP8 weight (master_weight)
     fp8_weights = False  # True: the weight is an Fp8WeightParam (convert(..., fp8_weights=True))
     fp8_enabled = True  # False: plain F.linear in high precision (PrecisionSchedule's bf16 phases)
     amax_sharding = None  # delayed scaling: how the tokens are split over ranks (share_scaling_state)
@@ -126,6 +127,19 @@ class Fp8Linear(nn.Linear):
         """The registered weight type this layer keeps its weight in (None: a plain tensor)."""
         return FP8_WEIGHTS if self.fp8_weights else FP8_ALL_GATHER if self.fsdp_fp8_all_gather else None
 
+    def master_weight(self) -> torch.Tensor | None:
+        """The master parameter ``fp8func.nn.MasterWeights`` trains for this layer's FP8 weight
+        (placed like it), or None: what checkpoints, copies and ``to_linear`` take the weight from."""
+        return None if self._master is None else self._master()
+
+    @torch.no_grad()
+    def _hp_weight(self) -> torch.Tensor:
+        """The weight's high-precision values (a DTensor over them where it is one), in its dtype."""
+        master = self.master_weight()
+        if master is not None:
+            return master.detach().to(self.weight.dtype)
+        return hp_weight(self.weight)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         key = prefix + "weight"
@@ -133,7 +147,7 @@ class Fp8Linear(nn.Linear):
             # Plain high-precision values (a DTensor over them under FSDP2 / TP), as an nn.Linear's
             # state_dict has: safetensors, save_pretrained, torch.load(weights_only=True) and every
             # model read them. FP8 weights give their master's values where MasterWeights keeps one.
-            destination[key] = hp_weight(self.weight)
+            destination[key] = self._hp_weight()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -144,12 +158,23 @@ class Fp8Linear(nn.Linear):
             # load_state_dict(assign=True) (accelerate's FSDP2 loading does it) puts the checkpoint's
             # tensor in place of the weight: it takes this layer's weight type.
             state_dict[key] = wrap_weight(value, kind, self.recipe)
-        master = local_of(self.weight).master if kind == FP8_WEIGHTS else None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        local = local_of(self.weight)
-        if master is not None and local.master is not master:  # assigned: the master takes the loaded values
-            local.attach_master(master, sync=True)
+        master = self.master_weight()
+        if master is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(master.shape):
+            with torch.no_grad():  # the masters take the loaded values: the next step re-quantizes from them
+                master.copy_(value)
+
+    def __getstate__(self):
+        state = super().__getstate__().copy()
+        master = self.master_weight()
+        state["_master"] = None  # a copy is not trained by the original's MasterWeights
+        w = self._parameters.get("weight")
+        if master is not None and not isinstance(w, DTensor):
+            params = dict(state["_parameters"])
+            params["weight"] = nn.Parameter(self._hp_weight(), requires_grad=w.requires_grad)
+            state["_parameters"] = params
+        return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -177,7 +202,7 @@ class Fp8Linear(nn.Linear):
         with torch.device("meta"):
             new = nn.Linear(self.in_features, self.out_features, bias=False)
         if weight_kind(w) is not None:
-            w = nn.Parameter(hp_weight(w).to(w.dtype), requires_grad=w.requires_grad)
+            w = nn.Parameter(self._hp_weight(), requires_grad=w.requires_grad)
         new.weight, new.bias = w, self.bias
         return new.train(self.training)
 

@@ -11,6 +11,8 @@ mesh FSDP2 used, with one all-reduce per mesh for the whole model.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -33,27 +35,34 @@ def master_name(fqn: str) -> str:
 _local = local_of
 
 
-def _move_grad_to_master(p: torch.Tensor) -> None:
+class _MoveGrad:
     """Post-accumulate-grad hook of a trained fp8 weight: its gradient goes to its master at once
     (converted to the master's dtype, added to what the master already holds), so that the
     optimizer's parameters carry every gradient the next step uses: ``clip_grad_norm_``,
     ``zero_grad`` and NaN checks over ``masters.parameters()`` see them. FSDP2 calls the hook on
-    the sharded parameter after its reduce-scatter."""
-    master = _local(p).master
-    if master is None or p.grad is None:
-        return
-    with torch.no_grad():
-        grad = p.grad.to(master.dtype)
-        if master.grad is None:
-            master.grad = grad
-        else:
-            master.grad.add_(grad)
-    p.grad = None
+    the sharded parameter after its reduce-scatter. Holds the master weakly."""
+
+    def __init__(self, master: torch.Tensor):
+        self.master = weakref.ref(master)
+
+    def __call__(self, p: torch.Tensor) -> None:
+        master = self.master()
+        if master is None or p.grad is None:
+            return
+        with torch.no_grad():
+            grad = p.grad.to(master.dtype)
+            if master.grad is None:
+                master.grad = grad
+            else:
+                master.grad.add_(grad)
+        p.grad = None
 
 
-def _hook(p: torch.Tensor) -> None:
-    if _move_grad_to_master not in (p._post_accumulate_grad_hooks or {}).values():
-        p.register_post_accumulate_grad_hook(_move_grad_to_master)
+def _hook(p: torch.Tensor, master: torch.Tensor) -> None:
+    """Registers ``_MoveGrad(master)`` on ``p`` unless it has it."""
+    hooks = (p._post_accumulate_grad_hooks or {}).values()
+    if not any(isinstance(h, _MoveGrad) and h.master() is master for h in hooks):
+        p.register_post_accumulate_grad_hook(_MoveGrad(master))
 
 
 class MasterWeights(nn.Module):
@@ -101,11 +110,11 @@ class MasterWeights(nn.Module):
             if not p.requires_grad:
                 continue
             if weight_kind(p) == FP8_WEIGHTS:
-                if _local(p).master is not None:
+                parent, _, attr = fqn.rpartition(".")
+                if model.get_submodule(parent).master_weight() is not None:
                     raise ValueError(f"MasterWeights: {fqn} already has a master (another MasterWeights trains it); "
                                      "build one MasterWeights per model and train through it.")
                 self.register_parameter(name, _master_of(p, _local(p), dtype))
-                parent, _, attr = fqn.rpartition(".")
                 fp8.append((model.get_submodule(parent), attr, name))
             else:
                 self.register_parameter(name, p)
@@ -116,13 +125,12 @@ class MasterWeights(nn.Module):
         self._attach()
 
     def _attach(self) -> None:
-        """Each fp8 weight gets its master (checkpoints and writes reach it) and the hook that moves
-        its gradients there."""
+        """Each fp8 layer learns its master (checkpoints, copies and loads go through it), and each
+        fp8 weight gets the hook that moves its gradients there."""
         for module, attr, name in self._fp8:
-            p = getattr(module, attr)
-            if weight_kind(p) == FP8_WEIGHTS:
-                _local(p).attach_master(getattr(self, name))
-                _hook(p)
+            master = getattr(self, name)
+            module._master = weakref.ref(master)
+            _hook(getattr(module, attr), master)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -138,9 +146,7 @@ class MasterWeights(nn.Module):
                     "built, or FSDP2 holds it unsharded (call step/requantize outside forward and backward)."
                 )
             master = getattr(self, name)
-            if _local(p).master is not master:  # replaced (load_state_dict(assign=True)): take its values
-                _local(p).attach_master(master, sync=True)
-                _hook(p)
+            _hook(p, master)  # a parameter replaced since (load_state_dict(assign=True)) gets the hook too
             yield p, master
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -148,8 +154,8 @@ class MasterWeights(nn.Module):
 
         The fp8 weights' gradients are on their masters already (moved as each is accumulated);
         one set on a weight by other means (``p.grad = ...``) is moved first."""
-        for p, _ in self._weights():
-            _move_grad_to_master(p)
+        for p, master in self._weights():
+            _MoveGrad(master)(p)
         optimizer.step()
         self.requantize()
         optimizer.zero_grad()
