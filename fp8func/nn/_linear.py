@@ -39,6 +39,11 @@ class Fp8Linear(nn.Linear):
     training forward (never written in place). With ``DelayedScaling(weight=False)`` the weight is
     cast dynamically (its buffers stay as initialized) and FSDP2 can all-gather it in FP8.
 
+    Checkpoints and copies: ``state_dict`` holds the plain high-precision weight (an FP8 weight's
+    master values where ``MasterWeights`` trains it) under ``nn.Linear``'s keys, and loading one
+    keeps the weight type (and reaches the master); ``torch.save`` / ``copy.deepcopy`` of the layer
+    give independent layers with the same weight type; ``to_linear`` gives an ``nn.Linear`` back.
+
     Example:
         >>> layer = Fp8Linear(4096, 4096, recipe=fp8func.Recipe.from_name("rowwise"))
     """
