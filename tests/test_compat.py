@@ -91,3 +91,16 @@ def test_private_reads_live_in_the_compat_module_only():
     shell = [p for d in ("nn", "distributed") for p in (root / d).glob("*.py") if p.name != "_compat.py"]
     found = {p.name: private.findall(p.read_text()) for p in shell + [root / "hf.py"]}
     assert not {k: v for k, v in found.items() if v}, found
+
+
+def test_the_shell_never_imports_the_distributed_layer():
+    # Layering (DESIGN.md): nn -> distributed; the distributed layer registers its weight types with
+    # the shell (fp8func.nn._weights) and may import the shell, never the other way round.
+    import pathlib
+    import re
+
+    root = pathlib.Path(f8.__file__).parent
+    imports = re.compile(r"^\s*(from\s+(\.\.distributed|fp8func\.distributed)|import\s+fp8func\.distributed)", re.M)
+    found = [p.name for p in (root / "nn").glob("*.py") if imports.search(p.read_text())]
+    assert not found, found
+    assert f8.nn._weights.weight_type("fp8_weights") is f8.distributed.Fp8WeightParam
