@@ -6,7 +6,7 @@ import pathlib
 import fp8func as f8
 
 SECTIONS = [("fp8func", f8), ("fp8func.nn", f8.nn), ("fp8func.distributed", f8.distributed),
-            ("fp8func.kernels", __import__("fp8func.kernels", fromlist=["_"]))]
+            ("fp8func.hf", f8.hf), ("fp8func.kernels", __import__("fp8func.kernels", fromlist=["_"]))]
 
 
 def entry(prefix: str, name: str, obj) -> list[str]:

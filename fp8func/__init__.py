@@ -58,12 +58,24 @@ from . import distributed as distributed
 from . import nn as nn
 from .nn import convert as convert
 from .nn import report as report
+from .nn import unconvert as unconvert
+from .nn import export_fp8 as export_fp8
 from .nn import MasterWeights as MasterWeights
 from .nn import PrecisionSchedule as PrecisionSchedule
 from .nn import verify as verify
 from .distributed import precompute_scales as precompute_scales
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # fp8func.hf (the HF Trainer integration) imports transformers: loaded on first use only.
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module(".hf", __name__)
+    raise AttributeError(f"module 'fp8func' has no attribute {name!r}")
+
 
 __all__ = [
     "E4M3",
@@ -96,6 +108,7 @@ __all__ = [
     "all_gather",
     "compute_amax",
     "convert",
+    "export_fp8",
     "distributed",
     "nn",
     "precompute_scales",
@@ -118,4 +131,5 @@ __all__ = [
     "sqnr",
     "verify",
     "to_e8m0",
+    "unconvert",
 ]

@@ -147,9 +147,11 @@ def test_state_dict_round_trip_stages_the_values():
     a = f8.convert(tiny_qwen3(layers=1), "tensorwise", fp8_weights=True)
     ids, labels = batch(0, 0)
     sd = a.state_dict()
-    assert type(sd["model.layers.0.mlp.up_proj.weight"]) is Fp8WeightParam  # the parameter itself
+    w = a.model.layers[0].mlp.up_proj.weight
+    assert type(sd["model.layers.0.mlp.up_proj.weight"]) is torch.Tensor  # the plain values, as nn.Linear's
+    assert torch.equal(sd["model.layers.0.mlp.up_proj.weight"], w.dequantize())
     b = f8.convert(tiny_qwen3(layers=1, seed=1), "tensorwise", fp8_weights=True)
-    b.load_state_dict({k: v.dequantize() if isinstance(v, Fp8WeightParam) else v for k, v in sd.items()})
+    b.load_state_dict(sd)
     assert b.model.layers[0].mlp.up_proj.weight.is_staged
     assert torch.equal(b(input_ids=ids, labels=labels).loss, a(input_ids=ids, labels=labels).loss)
 
@@ -272,3 +274,94 @@ def test_meta_device_init_is_bitwise_the_high_precision_init():
     for r in results:
         assert torch.equal(r["weights"]["init"], r["gather"]["init"])  # staged: exactly the hp init
         assert r["weights"]["losses"] == r["gather"]["losses"]
+
+
+# ---- faults are never hidden: gradients on the optimizer's parameters, loads reach the masters ---
+
+def _fp8_model_and_masters(seed=0):
+    model = f8.convert(tiny_qwen3(layers=1, seed=seed), "tensorwise", fp8_weights=True)
+    return model, f8.nn.MasterWeights(model)
+
+
+def test_gradients_land_on_the_masters_at_backward():
+    ref = f8.convert(tiny_qwen3(layers=1), "tensorwise", fsdp_fp8_all_gather=False)  # same numbers, fp32 weights
+    model, masters = _fp8_model_and_masters()
+    ids, labels = batch(0, 0)
+    for m in (ref, model):
+        m(input_ids=ids, labels=labels).loss.backward()
+    # Every gradient the next step uses is on the optimizer's parameters, none left on the fp8 weights.
+    assert all(p.grad is None for _, p in _fp8_weights(model))
+    assert all(p.grad is not None for p in masters.parameters())
+    norm = torch.nn.utils.clip_grad_norm_(masters.parameters(), 1.0)
+    assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))  # the whole norm, bitwise
+
+
+def test_a_nan_gradient_shows_on_the_masters_and_zero_grad_drops_it():
+    model, masters = _fp8_model_and_masters()
+    opt = torch.optim.AdamW(masters.parameters(), lr=1e-3)
+    ids, labels = batch(0, 0)
+    loss = model(input_ids=ids, labels=labels).loss
+    (loss * float("nan")).backward()  # a bad step (an overflowed loss scale, a bad batch)
+    assert torch.isnan(torch.nn.utils.clip_grad_norm_(masters.parameters(), 1.0))  # the check sees it
+    opt.zero_grad()  # skip the step, as GradScaler or a NaN guard does
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in masters.parameters())  # nothing carried into this one
+    masters.step(opt)
+    assert all(torch.isfinite(p).all() for p in masters.parameters())
+
+
+def test_loading_a_model_state_dict_updates_the_masters():
+    """Resume from ``model.state_dict()`` (what HF save_pretrained / Trainer store): the masters take
+    the loaded values, and training goes on bitwise as the uninterrupted run."""
+    def steps(model, masters, opt, first, last):
+        out = []
+        for step in range(first, last):
+            ids, labels = batch(step, 0)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            masters.step(opt)
+            out.append(loss.item())
+        return out
+
+    model, masters = _fp8_model_and_masters()
+    opt = torch.optim.SGD(masters.parameters(), lr=0.1)
+    straight = steps(model, masters, opt, 0, 4)
+    model, masters = _fp8_model_and_masters()
+    opt = torch.optim.SGD(masters.parameters(), lr=0.1)
+    first = steps(model, masters, opt, 0, 2)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    model, masters = _fp8_model_and_masters(seed=1)  # a fresh process: other initial weights
+    opt = torch.optim.SGD(masters.parameters(), lr=0.1)
+    model.load_state_dict(sd)
+    key = "model__layers__0__mlp__up_proj__weight"
+    assert torch.equal(getattr(masters, key), sd["model.layers.0.mlp.up_proj.weight"])
+    assert first + steps(model, masters, opt, 2, 4) == straight
+    with pytest.raises(ValueError, match="already has a master"):
+        f8.nn.MasterWeights(model)
+
+
+def _fsdp_grad_norms(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for mode in ("gather", "weights"):
+        model = f8.convert(tiny_qwen3(), "tensorwise", fp8_weights=mode == "weights")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        trained = f8.nn.MasterWeights(model) if mode == "weights" else model
+        ids, labels = batch(0, rank)
+        model(input_ids=ids, labels=labels).loss.backward()
+        out[mode] = torch.nn.utils.clip_grad_norm_(trained.parameters(), 1.0).full_tensor()
+        if mode == "weights":
+            out["left_on_fp8_weights"] = sum(p.grad is not None for _, p in _fp8_weights(model))
+            out["missing_on_masters"] = sum(p.grad is None for p in trained.parameters())
+    return out
+
+
+def test_fsdp_gradients_land_on_the_masters():
+    # FSDP2 calls the hook after its reduce-scatter: the masters hold the whole gradient, and its
+    # norm is bitwise the fp8 all-gather model's (the same reduce-scattered gradients).
+    for r in run_workers(_fsdp_grad_norms, 2):
+        assert r["left_on_fp8_weights"] == 0 and r["missing_on_masters"] == 0
+        assert torch.equal(r["weights"], r["gather"]), (r["weights"], r["gather"])

@@ -305,20 +305,3 @@ def test_fsdp_uneven_shards(recipe):
     off = run_workers(_train, 3, recipe, False, 4, True, "fp32-master")
     assert on[0]["losses"] == off[0]["losses"]
     assert on[0]["bytes"] < off[0]["bytes"]
-
-
-def test_tp_spec_reads_every_torch_name_and_never_guesses():
-    # FSDPParam keeps the TP spec of a DTensor parameter as ``_tp_spec`` up to torch 2.11 and as
-    # ``_unsharded_dtensor_spec`` from 2.12; reading only the newer name would make torch 2.11 cast
-    # each TP shard with its own amax (fp8 all-gather on != off). A DTensor parameter whose spec is
-    # under neither name must raise, not read as "no TP".
-    from types import SimpleNamespace
-
-    from fp8func.distributed._fsdp import tp_spec
-
-    spec = object()
-    assert tp_spec(SimpleNamespace(_tp_spec=spec, is_dtensor=True)) is spec  # torch <= 2.11
-    assert tp_spec(SimpleNamespace(_unsharded_dtensor_spec=spec, is_dtensor=True)) is spec  # torch >= 2.12
-    assert tp_spec(SimpleNamespace(_unsharded_dtensor_spec=None, is_dtensor=False)) is None  # plain tensor
-    with pytest.raises(RuntimeError, match="TP sharding is unknown"):
-        tp_spec(SimpleNamespace(is_dtensor=True))

@@ -48,6 +48,8 @@ def test_convert_keeps_names_values_and_logs_one_line(caplog):
 
 def test_report_says_why(capsys):
     net = f8.convert(Net(), "rowwise", filter=lambda m, fqn: fqn != "up")
+    assert not any(k.startswith("_fp8func") for k in vars(net))  # nothing stashed on the user's model
+    assert net.head.conversion is not None and net.head.note  # the decisions live in the FP8 layers
     rows = f8.report(net)
     printed = capsys.readouterr().out
     by = {r.fqn: r for r in rows}
@@ -59,9 +61,11 @@ def test_report_says_why(capsys):
 
 
 def test_blockwise_keeps_untileable_layers_high_precision():
-    net = f8.convert(Net(), "blockwise", fsdp_fp8_all_gather=False)
-    by = {r.fqn: r for r in f8.report(net, print_table=False)}
+    plan = f8.nn.plan_conversion(Net(), "blockwise", fsdp_fp8_all_gather=False)  # decides, changes nothing
+    by = {r.fqn: r for r in plan}
     assert not by["up"].converted and "does not tile weight of shape (128, 64)" in by["up"].reason
+    net = f8.convert(Net(), "blockwise", fsdp_fp8_all_gather=False)
+    assert not any(isinstance(m, f8.nn.Fp8Linear) for m in net.modules())  # no layer tiles: none converted
 
 
 @pytest.mark.parametrize("gather", [True, False])
@@ -204,3 +208,68 @@ def test_state_dict_of_fp8_all_gather_weights_saves_plain_tensors():
     fresh.load_state_dict(loaded)
     assert isinstance(fresh.model.layers[0].mlp.up_proj.weight, Fp8AllGatherWeight)
     assert torch.equal(fresh.model.layers[0].mlp.up_proj.weight._tensor, w)
+
+
+def test_plan_conversion_decides_without_touching_the_model():
+    net = Net()
+    before = {name: type(m) for name, m in net.named_modules()}
+    plan = f8.nn.plan_conversion(net, "rowwise", filter=["up"])
+    assert {name: type(m) for name, m in net.named_modules()} == before
+    converted = f8.convert(net, "rowwise", filter=["up"])
+    assert converted is net  # model = convert(model) keeps working
+    assert [(r.fqn, r.converted, r.reason) for r in plan] == \
+        [(r.fqn, r.converted, r.reason) for r in f8.report(net, print_table=False)]
+
+
+def test_filter_takes_fqn_patterns_and_refuses_anything_else(caplog):
+    model = f8.convert(tiny_qwen3(layers=2), "tensorwise", filter=["lm_head", "layers.0.*", "model.layers.1.mlp"])
+    fp8 = {fqn for fqn, m in model.named_modules() if isinstance(m, f8.nn.Fp8Linear)}
+    # "lm_head": a substring (torchtitan's filter_fqns); "layers.0.*": a glob on the whole fqn, which
+    # matches no fqn (they start with "model."); "model.layers.1.mlp": every projection of that MLP.
+    assert "lm_head" not in fp8 and "model.layers.1.mlp.up_proj" not in fp8
+    assert "model.layers.0.mlp.up_proj" in fp8 and "model.layers.1.self_attn.q_proj" in fp8
+    with caplog.at_level(logging.WARNING, logger="fp8func"):
+        f8.nn.plan_conversion(tiny_qwen3(layers=1), filter=["layers.0.*"])
+    assert "patterns ['layers.0.*'] match no linear layer" in caplog.text
+    for bad in ("lm_head", 3, [3], ["lm_head", None], {"lm_head": 1}):
+        with pytest.raises(ValueError, match="expected a callable .* 'auto', a list of"):
+            f8.convert(tiny_qwen3(layers=1), filter=bad)
+
+
+def test_second_convert_reconverts_or_raises():
+    model = f8.convert(tiny_qwen3(layers=1), "tensorwise")
+    w = model.model.layers[0].mlp.up_proj.weight.hp_values().clone()
+    f8.convert(model, "rowwise", fp8_weights=True)  # another recipe, fp8 weights: converted again
+    up = model.model.layers[0].mlp.up_proj
+    assert up.recipe.name == "rowwise" and up.fp8_weights and torch.equal(up.weight.dequantize(), w)
+    f8.convert(model, "tensorwise", filter=["mlp"])  # layers the filter excludes stay as they are
+    assert model.model.layers[0].mlp.up_proj is up
+    assert model.model.layers[0].self_attn.q_proj.recipe.name == "tensorwise"
+    rows = {r.fqn: r for r in f8.report(model, print_table=False)}
+    assert rows["model.layers.0.mlp.up_proj"].recipe == "rowwise" and rows["lm_head"].recipe == "tensorwise"
+    f8.convert(model, "blockwise", filter=lambda m, fqn: fqn == "lm_head")  # a callable filter selects it
+    assert model.lm_head.recipe.name == "blockwise"
+    f8.convert(model, "rowwise", filter=lambda m, fqn: fqn == "lm_head" or "layers" not in fqn)
+    assert model.lm_head.recipe.name == "rowwise"
+
+
+def test_second_convert_of_a_sharded_layer_raises():
+    from .dist_harness import run_workers
+
+    assert run_workers(_convert_sharded_twice, 1) == ["raised"]
+
+
+def _convert_sharded_twice(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = f8.convert(tiny_qwen3(layers=1), "tensorwise")
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    f8.convert(model, "tensorwise")  # the same options: nothing to change
+    try:
+        f8.convert(model, "rowwise")
+    except ValueError as e:
+        assert "cannot be converted again in place" in str(e), e
+        assert model.lm_head.recipe.name == "tensorwise"  # nothing changed
+        return "raised"
+    return "converted"

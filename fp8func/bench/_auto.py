@@ -35,10 +35,9 @@ RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 
 
 def decision(m: int, k: int, n: int, recipe: f8.Recipe) -> tuple[bool, str]:
-    """(converted, report note) of ``convert(filter="auto", tokens=m)`` on a ``k -> n`` linear."""
+    """(converted, report note) of ``convert(filter="auto", tokens=m)`` on a ``k -> n`` linear (its plan)."""
     probe = nn.Sequential(nn.Linear(k, n, bias=False, device="meta"))
-    f8.convert(probe, recipe, filter="auto", tokens=m, fsdp_fp8_all_gather=False)
-    row = f8.nn.report(probe, print_table=False)[0]
+    row = f8.nn.plan_conversion(probe, recipe, filter="auto", tokens=m, fsdp_fp8_all_gather=False)[0]
     return row.converted, row.reason
 
 

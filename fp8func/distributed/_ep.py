@@ -45,6 +45,15 @@ class ExpertParallel:
     def rank(self) -> int:
         return self.mesh.get_local_rank(self.mesh_dim)
 
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor, spec: "CastSpec | None"):
+        """``dispatch(x, counts, self, spec)``: what an expert-parallel MoE layer calls (the shell
+        holds this object and never imports the distributed layer)."""
+        return dispatch(x, counts, self, spec)
+
+    def combine(self, y: torch.Tensor, plan: "DispatchPlan") -> torch.Tensor:
+        """``combine(y, plan, self)``."""
+        return combine(y, plan, self)
+
 
 @dataclass(frozen=True)
 class DispatchPlan:

@@ -37,6 +37,7 @@ only for FSDP2's structural copies).
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 
 import torch
 from torch.distributed.tensor import Shard
@@ -46,21 +47,14 @@ from .._ops import dequantize, quantize
 from .._qtensor import Fp8Tensor
 from .._scaling import Recipe
 from .._sharding import Sharding
+from ..nn._weights import check_fp8_weights_recipe, notify_all_gather
 from ._fp8_weights_ops import HANDLERS, SHELL_MSG, State, fallback
 from ._fsdp import _GatherHooks, add_all_gather_input, finish_all_gather_inputs
 
 __all__ = ["Fp8WeightParam", "check_fp8_weights_recipe"]
 
-
-def check_fp8_weights_recipe(recipe: Recipe) -> None:
-    """Raises unless ``recipe`` can keep its weights in fp8 (every dynamic-scaling recipe can)."""
-    if recipe.delayed is not None:
-        raise ValueError(
-            f"fp8func: recipe {recipe.name!r} uses delayed scaling, whose weight scale comes from an amax "
-            "history the layer updates at each forward; fp8 weights are quantized once per optimizer step "
-            "with their own amax. Use a dynamic recipe ('tensorwise', 'rowwise', 'blockwise') with "
-            "fp8_weights=True, or keep fp8_weights=False for 'delayed'."
-        )
+# Tensor attributes a deep copy leaves behind: the state is cloned, FSDP2's lookup cache is the original's.
+_NOT_COPIED = ("_state", "_fsdp_group")
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -105,7 +99,7 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
     def _init(self, recipe: Recipe, state: State) -> None:
         self._recipe = recipe
         self._state = state
-        self._fsdp_group = None  # weakrefs to FSDP2's (param group, FSDPParam), found at the first all-gather
+        self._fsdp_group: list = [None, None]  # weakrefs to FSDP2's (param group, FSDPParam): compat's cache
         self._n_slots: int | None = None
 
     @classmethod
@@ -143,6 +137,11 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
         or the forward cast dequantized."""
         values = self._values()
         return values.clone() if values is self._state.staged else values
+
+    def hp_values(self) -> torch.Tensor:
+        """``dequantize()``: the high-precision values checkpoints, copies and ``unconvert`` store
+        (an ``Fp8Linear`` trained through ``MasterWeights`` stores its master's values instead)."""
+        return self.dequantize()
 
     def _values(self) -> torch.Tensor:
         """``dequantize()`` without the copy: the staged tensor itself when there is one."""
@@ -275,15 +274,19 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
                 out = self.clone()
             out.requires_grad_(self.requires_grad)
             for key, value in self.__dict__.items():
-                if key not in ("_state", "_fsdp_group"):
+                if key not in _NOT_COPIED:
                     setattr(out, key, copy.deepcopy(value, memo))
             memo[id(self)] = out
         return memo[id(self)]
 
     def __reduce_ex__(self, protocol):
-        # Saved (torch.save) as the plain high-precision tensor: loadable with weights_only=True,
-        # without fp8func; loading it into a converted model stages the values (copy_).
-        return self.dequantize().detach().__reduce_ex__(protocol)
+        # Pickled (torch.save) as the plain high-precision tensor, an nn.Parameter where it is one:
+        # loadable with weights_only=True, without fp8func. An Fp8Linear that is unpickled stages
+        # its weight again (Fp8Linear.__setstate__).
+        values = self.hp_values().detach()
+        if getattr(self, "_is_param", False):
+            return torch._utils._rebuild_parameter, (values, self.requires_grad, OrderedDict())
+        return values.__reduce_ex__(protocol)
 
     # ---- FSDP2 ------------------------------------------------------------------------------
 
@@ -303,4 +306,5 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
             add_all_gather_input(inputs, entries, name, state.casts[name], slots, sizes, mesh,
                                  state.param_dtype)
         entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
+        notify_all_gather(self, module, inputs, mp_policy)
         return tuple(inputs), (entries, tuple(slots), n)

@@ -47,6 +47,7 @@ class State:
             raise RuntimeError(SHELL_MSG)
 
 
+
 def row_block(q: Fp8Tensor) -> int | None:
     """Rows per scale entry of a stored cast: None when one scale spans all rows."""
     return raw_block_lengths(q.spec.granularity, tuple(q.data.shape))[0]
@@ -243,6 +244,7 @@ def _copy_(cls, self, src, non_blocking=False):
     return self
 
 
+# Exactly fp8func._structural.STRUCTURAL_OPS (tests/test_checkpoint_copies.py checks it).
 HANDLERS = {
     aten.detach.default: _alias,
     aten.alias.default: _alias,

@@ -2,7 +2,7 @@
 
 Two tensor types, both thin:
 
-* ``Fp8AllGatherWeight`` is the *sharded* weight (``DTensor._local_tensor`` under FSDP2). It is
+* ``Fp8AllGatherWeight`` is the *sharded* weight (the local tensor of FSDP2's DTensor). It is
   an ordinary high-precision tensor to everyone (optimizer, init, state_dict) and implements
   ``fsdp_pre_all_gather``: cast the shard to the param dtype exactly as FSDP2's default path
   does, quantize it with the amax reduced over the FSDP mesh (``quantize(..., sharding=)``),
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-import weakref
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -39,22 +39,15 @@ from .._gathered import Fp8GatheredWeight
 from .._qtensor import Fp8Meta, Fp8Tensor
 from .._scaling import Recipe, TensorWise, block_lengths, compute_scale
 from .._sharding import Sharding, reduce_amax
+from .._structural import COPY_OPS, NEW_OPS, STRUCTURAL_OPS
+from ..nn._weights import notify_all_gather
+from ._compat import find_fsdp_param, fsdp_pass, local_tensor, reshards_after_forward, tp_spec
 
 __all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "add_all_gather_input", "chunk_sizes",
            "finish_all_gather_inputs", "precompute_scales"]
 
 aten = torch.ops.aten
 log = logging.getLogger("fp8func")
-
-# Ops FSDP2 / init / state_dict loading apply to the sharded weight whose result must stay an
-# Fp8AllGatherWeight (sharding, padding, copying, moving). Everything else returns plain tensors.
-_PRESERVE = {
-    aten.empty_like.default, aten.new_zeros.default, aten.new_empty.default, aten.slice.Tensor,
-    aten.copy_.default, aten.view.default, aten.as_strided.default, aten._to_copy.default,
-    aten._pin_memory.default, aten.split.Tensor, aten.split_with_sizes.default, aten.clone.default,
-    aten.detach.default, aten.alias.default,
-}
-
 
 def chunk_sizes(n: int, world_size: int) -> list[int]:
     """Rows per rank when FSDP2 (``torch.chunk``) shards ``n`` rows over ``world_size`` ranks."""
@@ -64,8 +57,8 @@ def chunk_sizes(n: int, world_size: int) -> list[int]:
 
 class _GatherHooks:
     """What the FSDP2 fp8 weight types share: which casts travel, the TP sharding, and the
-    unsharded ``Fp8GatheredWeight`` built after the all-gather. Needs ``_n_slots`` and
-    ``_fsdp_group`` attributes (None until the first all-gather)."""
+    unsharded ``Fp8GatheredWeight`` built after the all-gather. Needs an ``_n_slots`` attribute
+    (None until the first all-gather) and an ``_fsdp_group`` list (``compat.find_fsdp_param``'s cache)."""
 
     def _gather_plan(self, mesh, outer_size, local_shape, fix: str):
         """(n, k, casts, row sizes per rank) of this all-gather; raises unless FSDP2 shards dim 0
@@ -88,7 +81,7 @@ class _GatherHooks:
         Never guessed: a TP-sharded weight whose sharding cannot be read raises, since casting
         its shard with the shard's own amax would give each TP rank a different scale.
         """
-        found = _find_param(self)
+        found = find_fsdp_param(self, self._fsdp_group)
         if found is None:
             raise RuntimeError(
                 "fp8func: FSDP2 all-gathers this fp8 weight, but its FSDP2 parameter could not be found "
@@ -133,7 +126,7 @@ class _GatherHooks:
             for name, slot, scale, meta in entries
         }
         if out is not None:
-            target = out._local_tensor if isinstance(out, DTensor) else out
+            target = local_tensor(out)
             if not isinstance(target, Fp8GatheredWeight):
                 raise RuntimeError(f"fp8func: FSDP2 passed out={type(target).__name__}; expected an Fp8GatheredWeight.")
             target.set_casts(casts, slots)
@@ -142,27 +135,43 @@ class _GatherHooks:
         return Fp8GatheredWeight(casts, shape, param_dtype, slots), ()
 
 
+class _Writes:
+    """The count of in-place ops on a weight, shared by the wrappers that alias its values."""
+
+    __slots__ = ("n",)
+
+    def __init__(self):
+        self.n = 0
+
+
 class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
-    """A high-precision weight that FSDP2 all-gathers in FP8 (see module docstring)."""
+    """A high-precision weight that FSDP2 all-gathers in FP8 (see module docstring).
+
+    To everything but FSDP2 it is the high-precision tensor it wraps: the structural ops
+    (``fp8func._structural``) keep the type, every other op computes on the wrapped values.
+    Checkpoints (``Fp8Linear.state_dict``, ``torch.save``) hold the plain values; ``copy.deepcopy``
+    makes an independent weight of the same type.
+    """
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, recipe: Recipe):
+    def __new__(cls, tensor: torch.Tensor, recipe: Recipe, writes: _Writes | None = None):
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
             dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad,
         )
 
-    def __init__(self, tensor: torch.Tensor, recipe: Recipe):
+    def __init__(self, tensor: torch.Tensor, recipe: Recipe, writes: _Writes | None = None):
         self._tensor = tensor
         self._recipe = recipe
         self._param_dtype: torch.dtype | None = None  # learnt at the first all-gather
-        self._writes = 0  # in-place ops on this wrapper (see weight_version)
+        # In-place ops on this wrapper and on its aliases (detach, .data, views): see weight_version.
+        self._writes = writes if writes is not None else _Writes()
         # Each cast's scale by cast name, with the weight_version() it was made at: by the last
         # all-gather (the backward's all-gather under reshard_after_forward casts the unchanged
         # weight again and reuses it: no second amax and amax all-reduce per weight and step), or
         # by precompute_scales. Used only while the version is unchanged.
         self._scales: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
-        self._fsdp_group = None  # weakrefs to FSDP2's (param group, FSDPParam), found at the first all-gather
+        self._fsdp_group: list = [None, None]  # weakrefs to FSDP2's (param group, FSDPParam): compat's cache
         self._n_slots: int | None = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -171,21 +180,33 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         wrappers = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls)]
         if func._schema.is_mutable:  # e.g. the optimizer's update: scales made before are stale
-            for t in wrappers:
-                t._writes += 1
+            for writes in {id(t._writes): t._writes for t in wrappers}.values():
+                writes.n += 1
         recipe = wrappers[0]._recipe
         args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
-        if func not in _PRESERVE:
+        if func not in STRUCTURAL_OPS:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, recipe), out)
+        # Aliases (views, row pieces, the destination of copy_) count writes with the weight they
+        # alias; copies and new tensors start their own count.
+        shared = wrappers[0]._writes if func not in NEW_OPS | COPY_OPS else None
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, recipe, shared), out)
+
+    @property
+    def recipe(self) -> Recipe:
+        return self._recipe
+
+    def hp_values(self) -> torch.Tensor:
+        """The wrapped high-precision tensor itself (a plain tensor sharing this weight's storage)."""
+        return self._tensor.detach()
 
     def weight_version(self) -> tuple[int, int]:
-        """Changes whenever the weight's values may have: in-place ops on this wrapper (the
-        optimizer's step, ``copy_`` from a checkpoint), or on its storage from elsewhere. Ops inside
-        ``__torch_dispatch__`` run below autograd and never bump the inner tensor's ``_version``
-        (the optimizer's update left it at 0), so the wrapper counts its own writes."""
-        return self._writes, self._tensor._version
+        """Changes whenever the weight's values may have: in-place ops on this wrapper or an alias
+        of it (the optimizer's step, ``copy_`` from a checkpoint, an EMA update through
+        ``detach()``), or on its storage from elsewhere. Ops inside ``__torch_dispatch__`` run below
+        autograd and never bump the inner tensor's ``_version`` (the optimizer's update left it at
+        0), so the wrappers count their writes."""
+        return self._writes.n, self._tensor._version
 
     def __tensor_flatten__(self):
         return ["_tensor"], self._recipe
@@ -203,11 +224,26 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         # optimizer at the FSDP2-sharded parameters that way) mapped all of them to one slot.
         return self._tensor.data_ptr()
 
+    def __deepcopy__(self, memo):
+        # An independent weight of the same type (Tensor.__deepcopy__ would copy a storage this
+        # wrapper does not have), with the same flags (requires_grad, nn.Parameter).
+        if id(self) not in memo:
+            with torch.no_grad():
+                out = Fp8AllGatherWeight(self._tensor.clone(), self._recipe)
+            out.requires_grad_(self.requires_grad)
+            if getattr(self, "_is_param", False):
+                out._is_param = True
+            memo[id(self)] = out
+        return memo[id(self)]
+
     def __reduce_ex__(self, protocol):
-        # Saved (torch.save, DCP) as the plain high-precision tensor it is: checkpoints load with
-        # weights_only=True, without fp8func, into any model; loading into an Fp8Linear copies
-        # the values into this wrapper (copy_ is preserved).
-        return self._tensor.__reduce_ex__(protocol)
+        # Pickled (torch.save) as the plain high-precision tensor it is, an nn.Parameter where it is
+        # one: loadable with weights_only=True, without fp8func, into any model. An Fp8Linear that
+        # is unpickled wraps its weight again (Fp8Linear.__setstate__).
+        values = self._tensor.detach()
+        if getattr(self, "_is_param", False):
+            return torch._utils._rebuild_parameter, (values, self.requires_grad, OrderedDict())
+        return values.__reduce_ex__(protocol)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         n, k, casts, sizes = self._gather_plan(mesh, outer_size, tuple(self._tensor.shape),
@@ -225,6 +261,7 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
             q = self._cast_shard(name, shard, spec, sharding, data=name in slots)
             add_all_gather_input(inputs, entries, name, q, slots, sizes, mesh, param_dtype)
         entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
+        notify_all_gather(self, module, inputs, mp_policy)
         return tuple(inputs), (entries, tuple(slots), n)
 
     def _cast_shard(self, name, shard, spec, sharding, *, data: bool) -> "Fp8Tensor | _ScaleOnly":
@@ -348,65 +385,13 @@ def _check_block_alignment(casts, n: int, k: int, sizes: list[int], world: int) 
             )
 
 
-def _fsdp_pass(weight: "Fp8AllGatherWeight", module) -> tuple[str, bool]:
-    """("forward" | "backward" | "unknown", reshard_after_forward) of the FSDP2 group holding ``weight``.
-
-    Reads FSDP2's own state (private attributes, looked up once per weight): the group's
-    training state during its unshard, and whether it reshards after forward.
-    """
-    found = _find_param(weight)
+def _fsdp_pass(weight, module) -> tuple[str, bool]:
+    """("forward" | "backward" | "unknown", reshard_after_forward) of the FSDP2 group holding ``weight``."""
+    found = find_fsdp_param(weight, weight._fsdp_group)
     if found is None:
         _warn_once("could not find this weight's FSDP2 parameter group; gathering both row-wise casts")
         return "unknown", False
-    group = found[0]
-    state = getattr(group, "_training_state", None)
-    name = getattr(state, "name", "")
-    pass_ = {"FORWARD": "forward", "PRE_BACKWARD": "backward"}.get(name, "unknown")
-    return pass_, getattr(group, "post_forward_mesh_info", None) is not None
-
-
-# FSDPParam's DTensor spec of the parameter it was given (TP / EP placements): ``_tp_spec`` up to
-# torch 2.11, ``_unsharded_dtensor_spec`` since 2.12.
-_TP_SPEC_ATTRS = ("_unsharded_dtensor_spec", "_tp_spec")
-
-
-def tp_spec(fsdp_param):
-    """The DTensor spec of the parameter FSDP2 sharded (its TP sharding), or None for a plain tensor.
-
-    Raises when FSDP2 was given a DTensor but the spec is under neither known name: reading it as
-    "no TP" would cast every TP shard with its own amax (a torch 2.11 run did exactly that while
-    only the newer name was read: on != off on 2 GPUs, different scales per TP rank)."""
-    for attr in _TP_SPEC_ATTRS:
-        spec = getattr(fsdp_param, attr, None)
-        if spec is not None:
-            return spec
-    if getattr(fsdp_param, "is_dtensor", False):
-        raise RuntimeError(
-            f"fp8func: FSDP2 shards a DTensor parameter here, but this torch ({torch.__version__}) keeps its "
-            f"spec under none of {_TP_SPEC_ATTRS}, so the weight's TP sharding is unknown. Please report it; "
-            "convert with fsdp_fp8_all_gather=False meanwhile (still FP8, gathered in bf16)."
-        )
-    return None
-
-
-def _find_param(weight):
-    """(FSDP2 param group, FSDPParam) that hold ``weight``, looked up once and cached weakly."""
-    if weight._fsdp_group is not None:
-        group, fsdp_param = weight._fsdp_group[0](), weight._fsdp_group[1]()
-        if group is not None and fsdp_param is not None:
-            return group, fsdp_param
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-    except ImportError:
-        return None
-    for ref in list(_module_state_mapping.values()):
-        state = ref()
-        group = getattr(state, "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", ()):
-            if fsdp_param._sharded_local_tensor is weight:
-                weight._fsdp_group = (weakref.ref(group), weakref.ref(fsdp_param))
-                return group, fsdp_param
-    return None
+    return fsdp_pass(found[0]), reshards_after_forward(found[0])
 
 
 _warned: set[str] = set()
@@ -429,7 +414,7 @@ def precompute_scales(model: torch.nn.Module) -> int:
     """
     groups: dict = {}
     for p in model.parameters():
-        local = p._local_tensor if isinstance(p, DTensor) else p
+        local = local_tensor(p)
         if not (isinstance(local, Fp8AllGatherWeight) and isinstance(p, DTensor)):
             continue
         spec = local._recipe.weight

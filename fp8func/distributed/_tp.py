@@ -24,6 +24,7 @@ from .._qtensor import Fp8Tensor
 from .._scaling import Recipe, raw_block_lengths
 from .._sharding import Sharding
 from .._gathered import Fp8GatheredWeight
+from ..nn._linear import Fp8Linear
 
 __all__ = ["Fp8ColwiseParallel", "Fp8RowwiseParallel", "PrepareFp8ModuleInput", "sequence_all_gather"]
 
@@ -143,8 +144,6 @@ def _apply_eagerly(fn: type[torch.autograd.Function], *args):
 
 
 def _require_fp8_linear(style, module, stock: str) -> None:
-    from ..nn._linear import Fp8Linear  # the shell sits above this layer
-
     if not isinstance(module, Fp8Linear):
         raise TypeError(
             f"{type(style).__name__} applies to fp8func.nn.Fp8Linear, got {type(module).__name__}; "
@@ -222,8 +221,6 @@ class PrepareFp8ModuleInput(PrepareModuleInput):
     """
 
     def _apply(self, module, device_mesh):
-        from ..nn._linear import Fp8Linear
-
         recipes = {m.recipe for m in module.modules() if isinstance(m, Fp8Linear)}
         if len(recipes) > 1:
             raise ValueError(

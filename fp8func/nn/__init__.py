@@ -7,7 +7,10 @@ from ._checkpoint import checkpoint_context as checkpoint_context
 from ._convert import LayerReport as LayerReport
 from ._convert import Report as Report
 from ._convert import convert as convert
+from ._convert import plan_conversion as plan_conversion
 from ._convert import report as report
+from ._convert import unconvert as unconvert
+from ._export import export_fp8 as export_fp8
 from ._linear import Fp8Linear as Fp8Linear
 from ._master import MasterWeights as MasterWeights
 from ._moe import MoE as MoE
@@ -20,7 +23,9 @@ from ._stats import tensor_stats as tensor_stats
 from ._verify import LayerCheck as LayerCheck
 from ._verify import Verification as Verification
 from ._verify import verify as verify
+from ._weights import observe_all_gathers as observe_all_gathers
 
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MasterWeights", "MoE", "NumericsStats",
            "PrecisionSchedule", "Report", "Router", "Verification", "apply", "checkpoint_context", "convert",
-           "next_states", "report", "scaling_states", "tensor_stats", "verify"]
+           "export_fp8", "next_states", "observe_all_gathers", "plan_conversion", "report", "scaling_states",
+           "tensor_stats", "unconvert", "verify"]

@@ -13,8 +13,8 @@ from .._autograd import fp8_linear
 from .._delayed import LinearScalingState, ScalingState, refresh
 from .._gathered import gathered_casts
 from .._scaling import Recipe
-from ..distributed._fp8_weights import Fp8WeightParam, check_fp8_weights_recipe
-from ..distributed._fsdp import Fp8AllGatherWeight
+from ._weights import FP8_ALL_GATHER, FP8_WEIGHTS, check_fp8_weights_recipe, hp_weight, local_of, weight_kind, \
+    weight_type, wrap_weight
 
 __all__ = ["Fp8Linear"]
 
@@ -42,11 +42,19 @@ class Fp8Linear(nn.Linear):
     initialized) and FSDP2 can all-gather it in FP8. Under ``torch.func`` transforms, use
     ``fp8func.nn.apply``, which passes the states in and out explicitly.
 
+    Checkpoints and copies: ``state_dict`` holds the plain high-precision weight (an FP8 weight's
+    master values where ``MasterWeights`` trains it) under ``nn.Linear``'s keys, and loading one
+    keeps the weight type (and reaches the master); ``torch.save`` / ``copy.deepcopy`` of the layer
+    give independent layers with the same weight type; ``to_linear`` gives an ``nn.Linear`` back.
+
     Example:
         >>> layer = Fp8Linear(4096, 4096, recipe=fp8func.Recipe.from_name("rowwise"))
     """
 
     _STATE = ("x", "w", "dy")
+    note = ""  # convert()'s note on this layer (auto figures, a tied weight gathered in bf16, ...)
+    conversion = None  # the Report of the convert() call that made this layer (report(model) reads it)
+    _master = None  # a weak reference to the master MasterWeights trains for an FP8 weight (master_weight)
     fp8_weights = False  # True: the weight is an Fp8WeightParam (convert(..., fp8_weights=True))
     fp8_enabled = True  # False: plain F.linear in high precision (PrecisionSchedule's bf16 phases)
     amax_sharding = None  # delayed scaling: how the tokens are split over ranks (share_scaling_state)
@@ -62,7 +70,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_weights = fp8_weights
         if fp8_weights:
             _check_fp8_weights(self.recipe, fsdp_fp8_all_gather)
-            self.weight = nn.Parameter(Fp8WeightParam(self.weight.data, self.recipe))
+            self.weight = nn.Parameter(weight_type(FP8_WEIGHTS)(self.weight.data, self.recipe))
             return
         if self.recipe.delayed is not None:
             if self.recipe.delayed.weight:
@@ -70,7 +78,7 @@ class Fp8Linear(nn.Linear):
                 self.fsdp_fp8_all_gather = False
             self._init_state(self.weight.device)
         if fsdp_fp8_all_gather:
-            self.weight = nn.Parameter(Fp8AllGatherWeight(self.weight.data, self.recipe))
+            self.weight = nn.Parameter(weight_type(FP8_ALL_GATHER)(self.weight.data, self.recipe))
 
     def _init_state(self, device) -> None:
         state = LinearScalingState.init(self.recipe.delayed.history_len, device)
@@ -103,13 +111,6 @@ class Fp8Linear(nn.Linear):
         self._hook_grad_output_state()  # .to() / .cuda() / to_empty() make new buffer tensors
         return out
 
-    def __getstate__(self):
-        # The state passed on between calls belongs to one autograd graph: never copied or saved.
-        state = dict(self.__dict__)
-        state.pop("_pending", None)
-        state.pop("_hooked_state", None)  # weak references to this layer's own tensors
-        return state
-
     def scaling_state(self) -> LinearScalingState | None:
         """The layer's delayed-scaling state (views of its buffers), or None for dynamic scaling."""
         if self.recipe.delayed is None:
@@ -130,9 +131,9 @@ class Fp8Linear(nn.Linear):
                       fsdp_fp8_all_gather=False)
         weight = linear_.weight
         if fp8_weights:
-            weight = nn.Parameter(Fp8WeightParam(weight.data, recipe), requires_grad=weight.requires_grad)
+            weight = nn.Parameter(weight_type(FP8_WEIGHTS)(weight.data, recipe), requires_grad=weight.requires_grad)
         elif fsdp_fp8_all_gather:
-            weight = nn.Parameter(Fp8AllGatherWeight(weight.data, recipe), requires_grad=weight.requires_grad)
+            weight = nn.Parameter(weight_type(FP8_ALL_GATHER)(weight.data, recipe), requires_grad=weight.requires_grad)
         new.weight = weight
         new.bias = linear_.bias
         new.fsdp_fp8_all_gather = fsdp_fp8_all_gather
@@ -141,16 +142,105 @@ class Fp8Linear(nn.Linear):
             new._init_state(linear_.weight.device)
         return new
 
+    def _weight_kind(self) -> str | None:
+        """The registered weight type this layer keeps its weight in (None: a plain tensor)."""
+        return FP8_WEIGHTS if self.fp8_weights else FP8_ALL_GATHER if self.fsdp_fp8_all_gather else None
+
+    def master_weight(self) -> torch.Tensor | None:
+        """The master parameter ``fp8func.nn.MasterWeights`` trains for this layer's FP8 weight
+        (placed like it), or None: what checkpoints, copies and ``to_linear`` take the weight from."""
+        return None if self._master is None else self._master()
+
+    @torch.no_grad()
+    def _hp_weight(self) -> torch.Tensor:
+        """The weight's high-precision values (a DTensor over them where it is one), in its dtype."""
+        master = self.master_weight()
+        if master is not None:
+            return master.detach().to(self.weight.dtype)
+        return hp_weight(self.weight)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "weight"
+        if not keep_vars and key in destination:
+            # Plain high-precision values (a DTensor over them under FSDP2 / TP), as an nn.Linear's
+            # state_dict has: safetensors, save_pretrained, torch.load(weights_only=True) and every
+            # model read them. FP8 weights give their master's values where MasterWeights keeps one.
+            destination[key] = self._hp_weight()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key, kind = prefix + "weight", self._weight_kind()
+        value = state_dict.get(key)
+        if (kind is not None and local_metadata.get("assign_to_params_buffers", False)
+                and isinstance(value, torch.Tensor) and weight_kind(value) != kind):
+            # load_state_dict(assign=True) (accelerate's FSDP2 loading does it) puts the checkpoint's
+            # tensor in place of the weight: it takes this layer's weight type.
+            state_dict[key] = wrap_weight(value, kind, self.recipe)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        master = self.master_weight()
+        if master is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(master.shape):
+            with torch.no_grad():  # the masters take the loaded values: the next step re-quantizes from them
+                master.copy_(value)
+
+    def __getstate__(self):
+        state = super().__getstate__().copy()
+        # The state passed on between calls belongs to one autograd graph: never copied or saved;
+        # the hooked buffer is a weak reference to this layer's own tensor.
+        state.pop("_pending", None)
+        state.pop("_hooked_state", None)
+        master = self.master_weight()
+        state["_master"] = None  # a copy is not trained by the original's MasterWeights
+        w = self._parameters.get("weight")
+        if master is not None and not isinstance(w, DTensor):
+            params = dict(state["_parameters"])
+            params["weight"] = nn.Parameter(self._hp_weight(), requires_grad=w.requires_grad)
+            state["_parameters"] = params
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._pending = None
+        self.__dict__.setdefault("_in_apply", False)
+        kind, w = self._weight_kind(), self._parameters.get("weight")
+        if kind is not None and isinstance(w, torch.Tensor) and weight_kind(w) != kind:
+            # Pickled (torch.save of the model, copy by pickling) as its plain values: wrap them again.
+            self.weight = nn.Parameter(wrap_weight(w, kind, self.recipe), requires_grad=w.requires_grad)
+
+    @torch.no_grad()
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` with this layer's parameters (``fp8func.unconvert`` calls it).
+
+        The bias is the same ``Parameter``; the weight is the same tensor for a high-precision
+        weight, the wrapped tensor itself (same storage, no copy) for the fp8 all-gather weight,
+        and the high-precision values of FP8 weights (their master's where ``MasterWeights`` keeps
+        one), in the weight's dtype. Raises for a sharded weight (FSDP2, tensor parallel).
+        """
+        w = self.weight
+        if isinstance(w, DTensor):
+            raise ValueError(
+                "fp8func.unconvert: this layer's weight is a DTensor (sharded by FSDP2 or tensor parallel); "
+                "unconvert before fully_shard / parallelize_module, or load the model's full state_dict "
+                "(torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
+                "full_state_dict=True))) into a plain model.")
+        with torch.device("meta"):
+            new = nn.Linear(self.in_features, self.out_features, bias=False)
+        if weight_kind(w) is not None:
+            w = nn.Parameter(self._hp_weight(), requires_grad=w.requires_grad)
+        new.weight, new.bias = w, self.bias
+        return new.train(self.training)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        local = w._local_tensor if isinstance(w, DTensor) else w
+        local = local_of(w)
         w_casts = gathered_casts(w)
         if not self.fp8_enabled:
             if w_casts is not None:
                 raise RuntimeError("fp8func: a high-precision phase reached a layer whose weight FSDP2 gathered in "
                                    "FP8; convert with fsdp_fp8_all_gather=False to schedule precisions.")
             return F.linear(x, w, self.bias)
-        if isinstance(local, Fp8WeightParam):
+        if isinstance(local, weight_type(FP8_WEIGHTS)):
             if local is not w:
                 raise RuntimeError(
                     "fp8func: this layer's fp8 weight reached its forward still sharded (a DTensor): only "

@@ -11,6 +11,8 @@ mesh FSDP2 used, with one all-reduce per mesh for the whole model.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -19,7 +21,7 @@ from .._casts import weight_casts
 from .._ops import quantize_with_scale
 from .._scaling import compute_amax, compute_scale
 from .._sharding import reduce_amax
-from ..distributed._fp8_weights import Fp8WeightParam
+from ._weights import FP8_WEIGHTS, local_of, weight_kind
 
 __all__ = ["MasterWeights", "master_name"]
 
@@ -30,8 +32,37 @@ def master_name(fqn: str) -> str:
     return fqn.replace(".", "__")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+_local = local_of
+
+
+class _MoveGrad:
+    """Post-accumulate-grad hook of a trained fp8 weight: its gradient goes to its master at once
+    (converted to the master's dtype, added to what the master already holds), so that the
+    optimizer's parameters carry every gradient the next step uses: ``clip_grad_norm_``,
+    ``zero_grad`` and NaN checks over ``masters.parameters()`` see them. FSDP2 calls the hook on
+    the sharded parameter after its reduce-scatter. Holds the master weakly."""
+
+    def __init__(self, master: torch.Tensor):
+        self.master = weakref.ref(master)
+
+    def __call__(self, p: torch.Tensor) -> None:
+        master = self.master()
+        if master is None or p.grad is None:
+            return
+        with torch.no_grad():
+            grad = p.grad.to(master.dtype)
+            if master.grad is None:
+                master.grad = grad
+            else:
+                master.grad.add_(grad)
+        p.grad = None
+
+
+def _hook(p: torch.Tensor, master: torch.Tensor) -> None:
+    """Registers ``_MoveGrad(master)`` on ``p`` unless it has it."""
+    hooks = (p._post_accumulate_grad_hooks or {}).values()
+    if not any(isinstance(h, _MoveGrad) and h.master() is master for h in hooks):
+        p.register_post_accumulate_grad_hook(_MoveGrad(master))
 
 
 class MasterWeights(nn.Module):
@@ -45,9 +76,13 @@ class MasterWeights(nn.Module):
     work: every parameter of the optimizer belongs to ``masters``.
 
     Build it after ``fully_shard``, ``to_empty`` and initialisation, as you would an optimizer.
-    After loading a state dict into it (``load_state_dict``, or DCP's ``set_state_dict``, which
-    calls it) the FP8 weights are re-quantized from the loaded masters. Every rank must call
-    ``step``, ``requantize`` and ``load_state_dict`` together (they all-reduce amaxes).
+    Each fp8 weight's gradient moves to its master as soon as it is accumulated, so clipping,
+    NaN checks and ``zero_grad`` over ``masters.parameters()`` cover the whole model. After
+    loading a state dict into it (``load_state_dict``, or DCP's ``set_state_dict``, which calls
+    it) the FP8 weights are re-quantized from the loaded masters; loading one into the model
+    writes the values into the masters as well, and the model's ``state_dict`` holds the masters'
+    values. Every rank must call ``step``, ``requantize`` and ``load_state_dict`` together (they
+    all-reduce amaxes). One ``MasterWeights`` per model.
 
     Args:
         model: a model converted with ``convert(..., fp8_weights=True)``.
@@ -61,7 +96,8 @@ class MasterWeights(nn.Module):
         >>> masters = f8.nn.MasterWeights(model)
         >>> opt = torch.optim.AdamW(masters.parameters(), lr=3e-4)
         >>> model(**batch).loss.backward()
-        >>> masters.step(opt)   # grads to masters, opt.step(), re-quantize, opt.zero_grad()
+        >>> torch.nn.utils.clip_grad_norm_(masters.parameters(), 1.0)   # every gradient is on the masters
+        >>> masters.step(opt)   # opt.step(), re-quantize, opt.zero_grad()
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32):
@@ -73,10 +109,12 @@ class MasterWeights(nn.Module):
                 raise ValueError(f"MasterWeights: parameters {fqn!r} and another both map to {name!r}; rename one.")
             if not p.requires_grad:
                 continue
-            local = _local(p)
-            if isinstance(local, Fp8WeightParam):
-                self.register_parameter(name, _master_of(p, local, dtype))
+            if weight_kind(p) == FP8_WEIGHTS:
                 parent, _, attr = fqn.rpartition(".")
+                if model.get_submodule(parent).master_weight() is not None:
+                    raise ValueError(f"MasterWeights: {fqn} already has a master (another MasterWeights trains it); "
+                                     "build one MasterWeights per model and train through it.")
+                self.register_parameter(name, _master_of(p, _local(p), dtype))
                 fp8.append((model.get_submodule(parent), attr, name))
             else:
                 self.register_parameter(name, p)
@@ -84,26 +122,40 @@ class MasterWeights(nn.Module):
             raise ValueError("MasterWeights: the model has no trainable fp8 weights; convert it with "
                              "fp8func.convert(model, recipe, fp8_weights=True) first.")
         self._fp8 = fp8  # (module, attribute, master name): the weight is read afresh at each use
+        self._attach()
+
+    def _attach(self) -> None:
+        """Each fp8 layer learns its master (checkpoints, copies and loads go through it), and each
+        fp8 weight gets the hook that moves its gradients there."""
+        for module, attr, name in self._fp8:
+            master = getattr(self, name)
+            module._master = weakref.ref(master)
+            _hook(getattr(module, attr), master)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._attach()  # a copy (copy.deepcopy, pickle) of the model and its masters together
 
     def _weights(self):
         for module, attr, name in self._fp8:
             p = getattr(module, attr)
-            if not isinstance(_local(p), Fp8WeightParam):
+            if weight_kind(p) != FP8_WEIGHTS:
                 raise RuntimeError(
                     f"MasterWeights: {type(module).__name__}.{attr} is no longer an Fp8WeightParam (a "
                     f"{type(_local(p)).__name__}): the model's parameter was replaced after MasterWeights was "
                     "built, or FSDP2 holds it unsharded (call step/requantize outside forward and backward)."
                 )
-            yield p, getattr(self, name)
+            master = getattr(self, name)
+            _hook(p, master)  # a parameter replaced since (load_state_dict(assign=True)) gets the hook too
+            yield p, master
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Moves the fp8 weights' gradients to their masters, runs ``optimizer.step()``,
-        re-quantizes the fp8 weights and ``optimizer.zero_grad()``."""
+        """Runs ``optimizer.step()``, re-quantizes the fp8 weights and ``optimizer.zero_grad()``.
+
+        The fp8 weights' gradients are on their masters already (moved as each is accumulated);
+        one set on a weight by other means (``p.grad = ...``) is moved first."""
         for p, master in self._weights():
-            if p.grad is not None:
-                grad = p.grad.to(master.dtype)
-                master.grad = grad if master.grad is None else master.grad + grad
-                p.grad = None
+            _MoveGrad(master)(p)
         optimizer.step()
         self.requantize()
         optimizer.zero_grad()
@@ -135,7 +187,7 @@ class MasterWeights(nn.Module):
                 flat = reduce_amax(flat, mesh, dims)
             for item, amax in zip(items, flat.split([item[4].numel() for item in items])):
                 item[4] = amax.view_as(item[4])
-        casts: dict[int, tuple[Fp8WeightParam, dict]] = {}
+        casts: dict[int, tuple[torch.Tensor, dict]] = {}
         for w, values, cast, spec, amax in pending:
             scale = compute_scale(amax, spec.dtype, spec.pow2_scales)
             casts.setdefault(id(w), (w, {}))[1][cast] = quantize_with_scale(values, scale, spec)
@@ -152,7 +204,7 @@ class MasterWeights(nn.Module):
         return out
 
 
-def _master_of(p: torch.Tensor, local: Fp8WeightParam, dtype: torch.dtype) -> nn.Parameter:
+def _master_of(p: torch.Tensor, local: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
     """A ``dtype`` copy of the fp8 weight ``p`` (its staged values, or its forward cast
     dequantized), sharded like it."""
     with torch.no_grad():

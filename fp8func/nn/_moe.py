@@ -23,7 +23,6 @@ from torch import nn
 
 from .._grouped import align_groups, grouped_linear, grouped_mm
 from .._scaling import Recipe
-from ..distributed._ep import combine, dispatch
 
 __all__ = ["MoE", "Fp8MoE", "Fp8Experts", "Router", "route", "is_fused_experts"]
 
@@ -95,8 +94,8 @@ class MoE(nn.Module):
         if self.ep is None:
             y_sorted = self._experts(x_sorted, torch.cumsum(counts, 0, dtype=torch.int32))
         else:
-            x_local, offs, plan = dispatch(x_sorted, counts, self.ep, self._dispatch_spec())
-            y_sorted = combine(self._experts(x_local, offs), plan, self.ep)
+            x_local, offs, plan = self.ep.dispatch(x_sorted, counts, self._dispatch_spec())
+            y_sorted = self.ep.combine(self._experts(x_local, offs), plan)
         y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)  # back to (token, choice) order
         y = y.view(*lead, self.top_k, h).float() * probs.view(*lead, self.top_k, 1)
         return y.sum(-2).to(x.dtype)  # a new tensor, not a view (FSDP2 hooks the output)
@@ -177,6 +176,9 @@ class Fp8Experts(nn.Module):
         >>> model = Qwen3MoeForCausalLM(config); fp8func.convert(model, "rowwise")   # swaps mlp.experts
     """
 
+    note = ""  # convert()'s note on this module
+    conversion = None  # the Report of the convert() call that made it (report(model) reads it)
+
     def __init__(self, experts: nn.Module, recipe: Recipe | str = "rowwise", align: int | None = None):
         super().__init__()
         if not is_fused_experts(experts):
@@ -186,6 +188,15 @@ class Fp8Experts(nn.Module):
         self.num_experts = self.gate_up_proj.shape[0]
         self.recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
         self.align = align
+        # The module it replaces, outside the module tree (its parameters are these): to_experts().
+        object.__setattr__(self, "_replaced", experts)
+
+    def to_experts(self) -> nn.Module:
+        """The HF experts module this one replaced, holding this module's current parameters
+        (``fp8func.unconvert`` calls it)."""
+        experts = self._replaced
+        experts.gate_up_proj, experts.down_proj, experts.act_fn = self.gate_up_proj, self.down_proj, self.act_fn
+        return experts.train(self.training)
 
     def _experts(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         gate, up = grouped_linear(x, self.gate_up_proj, offs, self.recipe).chunk(2, dim=-1)

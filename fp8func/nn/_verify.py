@@ -10,13 +10,16 @@ How the profile is attributed to layers (eager autograd; the step runs with
   passes itself: a forward op that records an autograd node carries ``(thread, sequence_nr)``, and
   the backward's ``autograd::engine::evaluate_function: <Node>`` event carries the same
   ``(fwd_thread, sequence_nr)``.
-* which path each ``fp8func.gemm`` took: during the step ``fp8func._gemm.gemm_path`` leaves an
-  empty ``fp8func::gemm_path::<path>`` range where the GEMM runs; an ``aten::_scaled_mm`` (or
-  ``_scaled_mm_v2``) op beside it proves the FP8 kernel ran, and its CUDA kernels are listed.
-* FSDP2: ``fsdp_pre_all_gather`` of ``Fp8AllGatherWeight`` and ``Fp8WeightParam`` is wrapped to
-  count, per layer, the uint8 payloads FSDP2 all-gathers.
+* which path each FP8 GEMM took, read from the profile alone (``record_shapes``): an
+  ``aten::_scaled_mm`` (``_scaled_mm_v2``, ``fp8func::blockwise_scaled_mm``) is a hardware FP8
+  GEMM, its kind read from its scale shapes (one scale: tensorwise; one per row: row-wise), and its
+  CUDA kernels are listed; a high-precision GEMM (``aten::mm`` and the like) whose two operands
+  were just converted from FP8 dtypes (two ``aten::_to_copy`` from ``Float8_*`` before it) is the
+  emulated path. Nothing in fp8func is patched to observe it.
+* FSDP2: the fp8 weight types report each pre-all-gather to ``observe_all_gathers`` observers;
+  ``verify`` registers one for the step, counting, per layer, the uint8 payloads FSDP2 all-gathers.
 
-Both wrappers are removed when ``verify`` returns.
+The observer and the hooks are removed when ``verify`` returns.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,20 +37,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .. import _gemm
-from ..distributed._fp8_weights import Fp8WeightParam
-from ..distributed._fsdp import Fp8AllGatherWeight
-from ._convert import _DECISIONS
+from ._convert import _hp_reason, planned
 from ._linear import Fp8Linear
+from ._weights import observe_all_gathers, weight_kind
 
 __all__ = ["verify", "Verification", "LayerCheck"]
 
 log = logging.getLogger("fp8func")
-_RANGE, _MARK = "fp8func::", "fp8func::gemm_path::"
+_RANGE = "fp8func::layer::"
 _EVAL = "autograd::engine::evaluate_function: "
 _HP_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-_FP8_GATHERED = (Fp8AllGatherWeight, Fp8WeightParam)  # the weight types FSDP2 all-gathers in FP8
 
 
 @dataclass(frozen=True)
@@ -134,9 +135,8 @@ def verify(model: nn.Module, step_fn: Callable[[], Any], *, strict: bool = False
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with contextlib.ExitStack() as stack:
         _install_ranges(stack, linears)
-        stack.enter_context(_gemm_path_markers())
         stack.enter_context(_all_gather_counter(model, tallies))
-        prof = stack.enter_context(profile(activities=activities))
+        prof = stack.enter_context(profile(activities=activities, record_shapes=True))
         stack.enter_context(torch.compiler.set_stance("force_eager"))
         output = step_fn()
     _attribute(prof.events(), tallies)
@@ -172,51 +172,17 @@ def _install_ranges(stack: contextlib.ExitStack, linears: dict[str, nn.Module]) 
     stack.callback(lambda: [r.__exit__(None, None, None) for r in reversed(open_ranges)])
 
 
-@contextlib.contextmanager
-def _gemm_path_markers():
-    """Wraps ``gemm_path`` (which ``gemm`` calls) to mark each GEMM's path in the profile."""
-    original = _gemm.gemm_path
-
-    def marked(a, b, path="auto"):
-        chosen = original(a, b, path)
-        with record_function(_MARK + chosen):
-            pass
-        return chosen
-
-    _gemm.gemm_path = marked
-    try:
-        yield
-    finally:
-        _gemm.gemm_path = original
-
-
-@contextlib.contextmanager
 def _all_gather_counter(model: nn.Module, tallies: dict[str, _Tally]):
-    """Wraps ``fsdp_pre_all_gather`` of the fp8 weight types (``Fp8AllGatherWeight``,
-    ``Fp8WeightParam``) to count each layer's fp8 all-gathers.
-
-    FSDP2 reads the wrapped method's signature (5 parameters), so it is spelled out."""
+    """An ``observe_all_gathers`` observer that counts each layer's fp8 all-gathers and their bytes."""
     names = {id(m): _canonical(fqn) for fqn, m in model.named_modules()}
-    originals = {cls: cls.fsdp_pre_all_gather for cls in _FP8_GATHERED}
 
-    def counting(original):
-        def counted(self, mesh, outer_size, outer_stride, module, mp_policy):
-            inputs, metadata = original(self, mesh, outer_size, outer_stride, module, mp_policy)
-            tally = tallies.get(names.get(id(module), ""))
-            if tally is not None:
-                hp = self.numel() * (mp_policy.param_dtype or self.dtype).itemsize
-                tally.gathers.append((sum(t.numel() * t.element_size() for t in inputs if t.dtype == torch.uint8), hp))
-            return inputs, metadata
+    def counted(weight, module, inputs, mp_policy):
+        tally = tallies.get(names.get(id(module), ""))
+        if tally is not None:
+            hp = weight.numel() * (mp_policy.param_dtype or weight.dtype).itemsize
+            tally.gathers.append((sum(t.numel() * t.element_size() for t in inputs if t.dtype == torch.uint8), hp))
 
-        return counted
-
-    for cls, original in originals.items():
-        cls.fsdp_pre_all_gather = counting(original)
-    try:
-        yield
-    finally:
-        for cls, original in originals.items():
-            cls.fsdp_pre_all_gather = original
+    return observe_all_gathers(counted)
 
 
 def _fp8_functions() -> set[str]:
@@ -230,24 +196,67 @@ def _fp8_functions() -> set[str]:
     return found
 
 
-def _walk(event, tally: _Tally, fp8_fns: set[str], keys: set | None, inside: bool) -> None:
-    """Tallies the ops under ``event``; collects the (thread, sequence_nr) of forward ops in ``keys``."""
-    todo = [(c, inside) for c in event.cpu_children]
+def _in_fp8(name: str, fp8_fns: set[str]) -> bool:
+    return name in fp8_fns or (name.startswith("fp8func::") and not name.startswith(_RANGE))
+
+
+def _from_fp8(e) -> bool:
+    """An ``aten::_to_copy`` of an FP8 tensor (dequantization's first step). Without the input
+    dtypes in the profile (older torch), every high-precision GEMM inside an fp8func op counts as
+    emulated: the emulated path is the only one that runs one there with FP8 operands."""
+    dtypes = getattr(e, "input_dtypes", None)
+    return e.name == "aten::_to_copy" and bool(dtypes) and "Float8" in str(dtypes[0])
+
+
+def _scaled_mm_path(e) -> str:
+    """``scaled_mm_<kind>`` of a hardware FP8 GEMM event, the kind read from its scale shapes."""
+    if "v2" in e.name or "blockwise" in e.name:
+        return "scaled_mm_blockwise"
+    shapes = getattr(e, "input_shapes", None) or []
+    if len(shapes) < 3:
+        return "scaled_mm"
+    return "scaled_mm_tensorwise" if math.prod(shapes[2] or [1]) == 1 else "scaled_mm_rowwise"
+
+
+def _in_order(event, inside: bool, fp8_fns: set[str]):
+    """The events under ``event`` in the order they ran, each with whether it runs inside an FP8 op
+    or an outer GEMM; the children of a GEMM are not visited (one GEMM, one event)."""
+    todo = [(c, inside) for c in sorted(event.cpu_children, key=lambda c: c.time_range.start, reverse=True)]
     while todo:
         e, inside = todo.pop()
-        if e.name.startswith(_MARK):
-            tally.paths[e.name[len(_MARK):]] += 1
+        yield e, inside
+        if "scaled_mm" in e.name or e.name in _HP_GEMMS:
             continue
-        if "scaled_mm" in e.name:
+        inside = inside or _in_fp8(e.name, fp8_fns)
+        todo.extend((c, inside) for c in sorted(e.cpu_children, key=lambda c: c.time_range.start, reverse=True))
+
+
+def _walk(event, tally: _Tally, fp8_fns: set[str], keys: set | None, inside: bool) -> None:
+    """Tallies the GEMMs under ``event``; collects the (thread, sequence_nr) of forward ops in ``keys``."""
+    from_fp8 = 0  # FP8 operands converted to high precision since the last GEMM
+    dtypes_known = False
+    if keys is not None:  # every op under the range, GEMMs' children too (aten::mm records MmBackward)
+        todo = list(event.cpu_children)
+        while todo:
+            e = todo.pop()
+            if e.sequence_nr >= 0:
+                keys.add((e.thread, e.sequence_nr))
+            todo.extend(e.cpu_children)
+    for e, within in _in_order(event, inside, fp8_fns):
+        dtypes_known = dtypes_known or bool(getattr(e, "input_dtypes", None))
+        if _from_fp8(e):
+            from_fp8 += 1
+        elif "scaled_mm" in e.name:
             tally.scaled_mm += 1
+            tally.paths[_scaled_mm_path(e)] += 1
             tally.kernels.update(_kernel_names(e))
-            continue
-        if e.name in _HP_GEMMS and not inside:
-            tally.hp_gemms += 1  # the outermost one: aten::linear -> aten::matmul -> aten::mm is one GEMM
-        if keys is not None and e.sequence_nr >= 0:
-            keys.add((e.thread, e.sequence_nr))
-        inside = inside or e.name in fp8_fns or e.name in _HP_GEMMS
-        todo.extend((c, inside) for c in e.cpu_children)
+            from_fp8 = 0
+        elif e.name in _HP_GEMMS:
+            if from_fp8 >= 2 or (within and not dtypes_known):
+                tally.paths["emulated"] += 1
+            elif not within:
+                tally.hp_gemms += 1  # a GEMM of the layer outside fp8func's ops
+            from_fp8 = 0
 
 
 def _kernel_names(event) -> list[str]:
@@ -273,19 +282,14 @@ def _attribute(events, tallies: dict[str, _Tally]) -> None:
         fqn = owner.get((e.fwd_thread, e.sequence_nr)) if e.name.startswith(_EVAL) else None
         if fqn is not None:
             tallies[fqn].backward += 1
-            _walk(e, tallies[fqn], fp8_fns, None, inside=e.name[len(_EVAL):] in fp8_fns)
+            _walk(e, tallies[fqn], fp8_fns, None, inside=_in_fp8(e.name[len(_EVAL):], fp8_fns))
 
 
 def _converted_fqns(model: nn.Module) -> set[str]:
-    """Layers ``convert`` put in FP8, read from its per-layer decisions (a converted layer's entry
-    is empty or a note; the reasons for keeping one high-precision are the strings below)."""
-    recorded = getattr(model, "_fp8func_converted", None)  # set by convert()
-    if recorded is not None:
-        return {_canonical(fqn) for fqn in recorded}
-    kept = ("excluded by filter", "K=", "auto: kept bf16")
-    decisions = getattr(model, _DECISIONS, {})
-    return {_canonical(fqn) for fqn, why in decisions.items()
-            if not why.startswith(kept) and " does not tile " not in why}
+    """Layers ``convert`` put in FP8, from the plans the model's FP8 layers carry, and every
+    ``Fp8Linear`` of the model."""
+    fqns = {_canonical(fqn) for fqn, row in planned(model).items() if row.converted}
+    return fqns | {_canonical(fqn) for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)}
 
 
 def _sharded_by_fsdp(model: nn.Module, fqn: str) -> bool:
@@ -300,7 +304,7 @@ def _gather_column(model, fqn: str, m: nn.Module, tally: _Tally) -> tuple[str, s
     w = m.weight
     if not (isinstance(w, DTensor) and _sharded_by_fsdp(model, fqn)):
         return "-", ""
-    if not isinstance(w._local_tensor, _FP8_GATHERED):
+    if weight_kind(w) is None:
         return "high precision", ""
     if not tally.gathers:
         return "none", ("FSDP2 shards its weight with the fp8 all-gather, but no fp8 all-gather ran for it in "
@@ -329,7 +333,6 @@ def _check_fp8(model, fqn: str, m: nn.Module, t: _Tally, any_backward: bool) -> 
         return row(ok=False, note=f"convert() put it in FP8, but it is now a {type(m).__name__} and runs in high "
                                   "precision; do not replace layers after convert(), or convert again")
     device, emulated = _device_of(m), t.paths["emulated"]
-    hardware = sum(t.paths.values()) - emulated
     if t.calls == 0:
         return row(ok=False, note="its forward did not run in this step (unused, or its weight used by other code)")
     if not t.paths:
@@ -338,9 +341,6 @@ def _check_fp8(model, fqn: str, m: nn.Module, t: _Tally, any_backward: bool) -> 
         return row(ok=False, note=f"{emulated} GEMM(s) emulated on {device.type} (gemm_path -> 'emulated', recipe "
                                   f"{m.recipe.name!r} path={m.recipe.path!r}): no FP8 kernel ran. Use path='auto' "
                                   "and a recipe with a hardware kernel on this GPU (see the fp8func log)")
-    if t.scaled_mm < hardware:
-        return row(ok=False, note=f"gemm_path chose scaled_mm {hardware}x but the profiler saw aten::_scaled_mm "
-                                  f"{t.scaled_mm}x")
     if any_backward and t.backward == 0 and m.weight.requires_grad:
         return row(ok=False, note="no backward ran for it in this step, though other layers had one")
     if gather_fail:
@@ -351,6 +351,7 @@ def _check_fp8(model, fqn: str, m: nn.Module, t: _Tally, any_backward: bool) -> 
 
 def _judge(model, linears, tallies, output) -> Verification:
     converted = _converted_fqns(model)
+    decided = {_canonical(fqn): row for fqn, row in planned(model).items()}
     any_backward = any(t.backward for t in tallies.values())
     rows = []
     for fqn in sorted(set(linears) | converted, key=_order(linears)):
@@ -362,7 +363,7 @@ def _judge(model, linears, tallies, output) -> Verification:
             else:
                 rows.append(_check_fp8(model, fqn, m, t, any_backward))
             continue
-        why = getattr(model, _DECISIONS, {}).get(fqn, "convert() has not seen this layer")
+        why = _hp_reason(decided.get(fqn), m)
         rows.append(LayerCheck(fqn, False, True, _paths(t), t.scaled_mm, "-", f"not converted: {why}"))
     fp8_paths = sum((t.paths for t in tallies.values()), Counter())
     kernels = sum((t.kernels for t in tallies.values()), Counter())
