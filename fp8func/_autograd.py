@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._casts import _cast, _cast_delayed, _forward_transposes, activation_casts, weight_casts
-from ._delayed import LinearScalingState, ScalingState, consume, record_merged
+from ._delayed import LinearScalingState, ScalingState, consume, record_merged, record_merged_stacked
 from ._formats import tracing
 from ._gathered import gathered_casts
 from ._gemm import gemm
@@ -251,14 +251,22 @@ def _next_states(ctx, saved: tuple, passed_grad, dy_amax) -> tuple:
     amaxes = (_global_amax(x_amax, sharding), None if not p.delayed.weight else _global_amax(w_amax, None),
               None if dy_amax is None else _global_amax(dy_amax, sharding))
     specs = (operand(p, "x").first, operand(p, "w").first, operand(p, "dy").first)
-    out = []
-    for (h, s), (gh, gs), amax, spec in zip(((xh, xs), (wh, ws), (dyh, dys)),
-                                             zip(incoming[0::2], incoming[1::2]), amaxes, specs):
-        if amax is None:
-            out += [None, None]
-            continue
-        h, s = (_plain(t) for t in (h, s))
-        out += list(record_merged(ScalingState(h, s), ScalingState(gh, gs), amax, spec, algo))
+    rows = [i for i, a in enumerate(amaxes) if a is not None]  # the states this plan records
+    mine, theirs = ((xh, xs), (wh, ws), (dyh, dys)), tuple(zip(incoming[0::2], incoming[1::2]))
+    if len({mine[i][0].numel() for i in rows}) > 1:  # histories of different lengths: one at a time
+        out = [None] * 6
+        for i in rows:
+            st = record_merged(ScalingState(*map(_plain, mine[i])), ScalingState(*theirs[i]), amaxes[i], specs[i], algo)
+            out[2 * i], out[2 * i + 1] = st
+        return tuple(out)
+    stack = lambda ts: torch.stack([_plain(t).reshape(-1) for t in ts])  # noqa: E731
+    history, scale = record_merged_stacked(
+        stack([mine[i][0] for i in rows]), stack([mine[i][1] for i in rows]),
+        stack([theirs[i][0] for i in rows]), stack([theirs[i][1] for i in rows]),
+        torch.cat([amaxes[i] for i in rows]), tuple(specs[i] for i in rows), algo)
+    out = [None] * 6
+    for j, i in enumerate(rows):
+        out[2 * i], out[2 * i + 1] = history[j], scale[j].reshape(1, 1)
     return tuple(out)
 
 

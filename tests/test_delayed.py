@@ -486,3 +486,28 @@ def test_activation_checkpointing_compiled_around_is_bitwise_eager():
     compiled = _train_checkpointed({"use_reentrant": False}, steps=3, compiled=True)
     assert plain[0] == compiled[0]
     assert all(torch.equal(plain[1][k], compiled[1][k]) for k in plain[1])
+
+
+@given(amaxes=st.lists(st.sampled_from([0.0, 1e-30, 0.5, 3.0, 448.0, 1e6, float("inf"), float("nan")]),
+                       min_size=3, max_size=3),
+       later=st.lists(st.booleans(), min_size=3, max_size=3), history_len=st.integers(1, 4),
+       algo=st.sampled_from(["max", "most_recent"]), pow2=st.lists(st.booleans(), min_size=3, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_the_stacked_state_update_is_bitwise_the_one_state_update(amaxes, later, history_len, algo, pow2, seed):
+    """``linear``'s backward updates its three states in one stacked computation
+    (``record_merged_stacked``); its obviously-right twin is ``record_merged``, one state at a time."""
+    from fp8func._delayed import record_merged_stacked
+
+    g = torch.Generator().manual_seed(seed)
+    specs = tuple(f8.CastSpec(d, power_of_2=p) for d, p in zip((f8.E4M3, f8.E4M3, f8.E5M2), pow2))
+    mine = [ScalingState(torch.rand(history_len, generator=g) * 100, torch.rand(1, 1, generator=g)) for _ in range(3)]
+    theirs = [ScalingState(torch.rand(history_len, generator=g) * 100, torch.rand(1, 1, generator=g) + 0.1) if lt
+              else ScalingState(torch.zeros(history_len), torch.zeros(1, 1)) for lt in later]
+    a = torch.tensor(amaxes)
+    h, s = record_merged_stacked(torch.stack([m.amax_history for m in mine]), torch.cat([m.scale for m in mine]),
+                                 torch.stack([t.amax_history for t in theirs]), torch.cat([t.scale for t in theirs]),
+                                 a, specs, algo)
+    for i in range(3):
+        want = record_merged(mine[i], theirs[i], a[i], specs[i], algo)
+        assert torch.equal(h[i].nan_to_num(7.0), want.amax_history.nan_to_num(7.0))
+        assert torch.equal(s[i].reshape(1, 1), want.scale)

@@ -136,7 +136,8 @@ def verify(model: nn.Module, step_fn: Callable[[], Any], *, strict: bool = False
     with contextlib.ExitStack() as stack:
         _install_ranges(stack, linears)
         stack.enter_context(_all_gather_counter(model, tallies))
-        prof = stack.enter_context(profile(activities=activities, record_shapes=True))
+        # acc_events: one cycle anyway; torch 2.11 warns about clearing events between cycles without it
+        prof = stack.enter_context(profile(activities=activities, record_shapes=True, acc_events=True))
         stack.enter_context(torch.compiler.set_stance("force_eager"))
         output = step_fn()
     _attribute(prof.events(), tallies)
