@@ -380,12 +380,14 @@ def _check_state(state, p: LinearPlan, x, weight) -> None:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe, *,
                state: LinearScalingState | None = None, w_casts: dict[str, Fp8Tensor] | None = None,
                x_casts: dict[str, Fp8Tensor] | None = None,
-               amax_sharding: Sharding | None = None) -> tuple[torch.Tensor, LinearScalingState | None]:
+               amax_sharding: Sharding | None = None, packed: bool = False):
     """The one FP8 linear op every entry point calls: ``(y, state passed on)``.
 
     ``w_casts`` / ``x_casts``: the weight's / input's casts made elsewhere (named as
     ``weight_casts(plan)`` / ``activation_casts(plan)``); the tensor then only routes the
     gradient. ``state``: the delayed-scaling state (a delayed plan needs one, a dynamic one none).
+    ``packed``: the state passed on as the one flat tensor the op returns (``unpack_state``
+    makes it a ``LinearScalingState``), which a compiled caller hands on without six views.
     """
     p = plan(recipe)
     _check_args(x, weight, bias, p)
@@ -409,7 +411,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     out = _LinearFn.apply(x, weight, bias, p, layout, *w_leaves, *x_leaves, *states)
     if state is None:
         return out[0], None
-    return out[0], LinearScalingState.from_tensors(_unpack_state(out[5], state.tensors()))
+    return out[0], out[5] if packed else unpack_state(out[5], state)
+
+
+def unpack_state(flat: torch.Tensor, like: LinearScalingState) -> LinearScalingState:
+    """The state packed in ``flat`` (``fp8_linear(..., packed=True)``), shaped as ``like``."""
+    return LinearScalingState.from_tensors(_unpack_state(flat, like.tensors()))
 
 
 def linear(

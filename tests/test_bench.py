@@ -122,6 +122,8 @@ def test_fsdp_bench_against_torchao(tmp_path):
 @pytest.mark.parametrize("name,cls", [
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "GEMM bf16"),
     ("nvjet_qqtst_128x256_128x6_2x1_2cta_v_bz_TNT", "GEMM fp8"),
+    ("nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT", "GEMM fp8"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "GEMM bf16"),
     ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "GEMM fp8"),
     ("void cutlass::device_kernel<f8f8bf16_rowwise_kernel>", "GEMM fp8"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "GEMM bf16"),

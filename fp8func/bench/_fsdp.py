@@ -124,7 +124,7 @@ def unshard_host_ms(step, steps: int = 3) -> float:
 def run_config(name: str, spec: dict, args, data, mesh) -> dict:
     lib, recipe, filt, gather = CONFIGS[name]
     model, fp8, linears = build(name, spec, args, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = m.optimizer(model, args)
     row = {"config": name, "library": lib, "recipe": recipe, "filter": filt, "fp8_all_gather": gather,
            "precompute": precompute(name) is not None, "fp8_linears": fp8, "linears": linears}
     probes = {"fsdp_unshard_host_ms": unshard_host_ms} | ({"profile_ms": m.profile_classes} if args.profile else {})
@@ -187,9 +187,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     m.compare(rows, CONFIGS)
     compare_on_off(rows)
     setup = (f"{m.model_line(spec)}; FSDP2 on a one-rank mesh ({env['device']}), fully_shard per decoder layer and "
-             f"the root, fp32 master weights, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), AdamW, "
-             f"lr {args.lr}; a step: forward, loss, backward, optimizer step, zero_grad, then the scale precompute "
-             f"where stated; compile: {args.compile}; lm_head {'FP8' if args.fp8_lm_head else 'bf16'}; median of "
+             f"the root, fp32 master weights, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); "
+             f"{m.step_line(args)}, then the scale precompute where stated; compile: {args.compile}; lm_head {'FP8' if args.fp8_lm_head else 'bf16'}; median of "
              f"{args.iters} synchronized steps after {m.COMPILE_STEPS} compile steps and {args.warmup} warm-up steps.")
     m.emit(table(rows, env, setup), env, rows, args.json, setup=setup, model=spec)
     return rows

@@ -5,7 +5,7 @@ download), at Llama-3.2-1B shape (``--model 1b``: 16 layers, hidden 2048, MLP 81
 vocab 128256, untied lm_head, seq 4096, batch 2) or four layers of Llama-3-8B shape (``--model
 8b-layers``: hidden 4096, MLP 14336, 32/8 heads, vocab 128256, seq 8192, batch 1). bf16
 parameters, AdamW (its state in bf16 too); a step is forward, loss, backward, ``optimizer.step()``
-and ``zero_grad``. Each decoder layer is compiled on its own (``--compile block``, as torchtitan
+and ``zero_grad`` (``--optimizer none``: forward, loss, backward and ``zero_grad`` alone). Each decoder layer is compiled on its own (``--compile block``, as torchtitan
 does), or the whole model (``--compile model``), or nothing (``--compile none``).
 
 Every configuration rebuilds the model from the same seed and trains on the same batches, in
@@ -168,12 +168,14 @@ def median_step_s(fn, device, warmup: int, iters: int) -> float:
 def kernel_class(name: str) -> str:
     """The class of a GPU kernel, by its name, for the profile table."""
     n = name.lower()
-    if re.match(r"_(amax|cast|quant)\w*_kernel", n):  # fp8func's Triton casts (kernels/_triton_quant.py)
+    if re.match(r"_(amax|cast|quant)\w*_kernel", n):  # fp8func's Triton casts (kernels/)
         return "fp8func casts"
     if any(s in n for s in ("flash", "fmha", "attn", "attention", "sdpa")):
         return "attention"
     if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "scaled_mm")):
-        fp8 = any(s in n for s in ("e4m3", "e5m2", "f8", "float8", "nvjet_qq", "scaled"))
+        # cuBLAS's Hopper FP8 kernels: nvjet_sm90_qqtst_... / _qrtst_... (q, r: an fp8 operand)
+        fp8 = (any(s in n for s in ("e4m3", "e5m2", "f8", "float8", "scaled"))
+               or re.search(r"nvjet_(sm\d+_)?[qr][qr]", n) is not None)
         return "GEMM fp8" if fp8 else "GEMM bf16"
     if n.startswith("triton_"):  # inductor's fused kernels (norms, rope, SiLU, torchao's casts)
         return "inductor/triton fused"
@@ -206,8 +208,11 @@ def measure(model, opt, data, device, *, warmup: int, iters: int, after_step=Non
         ids = data[len(losses) % len(data)]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is None:  # --optimizer none: forward and backward alone
+            model.zero_grad(set_to_none=True)
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if after_step is not None:
             after_step(model)
         losses.append(loss.detach())
@@ -226,6 +231,17 @@ def measure(model, opt, data, device, *, warmup: int, iters: int, after_step=Non
     return out
 
 
+def optimizer(model, args):
+    """AdamW over the model's parameters, or None (``--optimizer none``)."""
+    return None if args.optimizer == "none" else torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+
+def step_line(args) -> str:
+    if args.optimizer == "none":
+        return "a step: forward, loss, backward, zero_grad (no optimizer)"
+    return f"AdamW (its state in the parameters' dtype), lr {args.lr}; a step: forward, loss, backward, optimizer step, zero_grad"
+
+
 def free(device) -> None:
     gc.collect()
     torch.compiler.reset()
@@ -239,7 +255,7 @@ def run_config(name: str, spec: dict, args, data) -> dict:
     tokens = spec["batch"] * spec["seq"]
     fp8, linears = convert(model, name, fp8_lm_head=args.fp8_lm_head, tokens=tokens)
     compile_model(model, args.compile)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = optimizer(model, args)
     row = {"config": name, "library": lib, "recipe": recipe, "filter": filt, "fp8_linears": fp8, "linears": linears}
     probes = {"profile_ms": profile_classes} if args.profile else {}
     row.update(measure(model, opt, data, args.device, warmup=args.warmup, iters=args.iters, probes=probes))
@@ -332,6 +348,8 @@ def add_common_args(p: argparse.ArgumentParser, configs: dict, default_model: st
     p.add_argument("--iters", type=int, default=10, help="timed steps per configuration (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the five compile steps")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--optimizer", choices=("adamw", "none"), default="adamw",
+                   help="adamw: a step ends with AdamW's update; none: forward, loss, backward and zero_grad alone")
     p.add_argument("--fp8-lm-head", action="store_true", help="convert the lm_head too (default: it stays bf16)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write the environment and the rows to this JSON file")
@@ -382,8 +400,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     data = batches(spec, args.device)
     rows = run_all(lambda name: run_config(name, spec, args, data), names, args.json, env)
     compare(rows)
-    setup = (f"{model_line(spec)}; bf16 parameters, AdamW (bf16 state), lr {args.lr}; a step: forward, loss, "
-             f"backward, optimizer step, zero_grad; compile: {args.compile}; lm_head "
+    setup = (f"{model_line(spec)}; bf16 parameters; {step_line(args)}; compile: {args.compile}; lm_head "
              f"{'FP8' if args.fp8_lm_head else 'bf16'}; median of {args.iters} synchronized steps after "
              f"{COMPILE_STEPS} compile steps and {args.warmup} warm-up steps; loss at step {len(rows[0]['losses']) - 1}.")
     emit(table(rows, env, setup), env, rows, args.json, setup=setup, model=spec)

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .._autograd import unpack_state
+from .._delayed import LinearScalingState, ScalingState
 from ._linear import Fp8Linear
 
 __all__ = ["apply", "next_states", "scaling_states"]
@@ -76,7 +78,10 @@ def apply(model: nn.Module, params: dict[str, torch.Tensor], states: dict[str, t
             if m._pending is None:
                 continue
             prefix = f"{name}." if name else ""
-            for role, st in zip(Fp8Linear._STATE, m._pending):
+            read = lambda attr: states.get(prefix + attr, getattr(m, attr))  # noqa: E731  (the state this call read)
+            given = LinearScalingState(*(ScalingState(read(f"fp8_{r}_history"), read(f"fp8_{r}_scale"))
+                                         for r in Fp8Linear._STATE))
+            for role, st in zip(Fp8Linear._STATE, unpack_state(m._pending, given)):
                 passed[f"{prefix}fp8_{role}_history"], passed[f"{prefix}fp8_{role}_scale"] = st
     return out, passed
 

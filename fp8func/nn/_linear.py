@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._autograd import fp8_linear
+from .._autograd import fp8_linear, unpack_state
 from .._delayed import LinearScalingState, ScalingState, refresh
 from .._gathered import gathered_casts
 from .._scaling import Recipe
@@ -58,7 +58,8 @@ class Fp8Linear(nn.Linear):
     fp8_weights = False  # True: the weight is an Fp8WeightParam (convert(..., fp8_weights=True))
     fp8_enabled = True  # False: plain F.linear in high precision (PrecisionSchedule's bf16 phases)
     amax_sharding = None  # delayed scaling: how the tokens are split over ranks (share_scaling_state)
-    # delayed scaling: ``_pending`` is the state passed on by the last call before a backward;
+    # delayed scaling: ``_pending`` is the state passed on by the last call before a backward (packed
+    # in one tensor; ``passed_state`` unpacks it);
     # ``_in_apply`` says fp8func.nn.apply is running the model (states explicit, no hooks)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
@@ -110,6 +111,12 @@ class Fp8Linear(nn.Linear):
         out = super()._apply(fn, recurse)
         self._hook_grad_output_state()  # .to() / .cuda() / to_empty() make new buffer tensors
         return out
+
+    def passed_state(self) -> LinearScalingState | None:
+        """The state the layer's next call reads: the one its last call in this step passed on,
+        or its buffers' (None for dynamic scaling)."""
+        state = self.scaling_state()
+        return state if self._pending is None else unpack_state(self._pending, state)
 
     def scaling_state(self) -> LinearScalingState | None:
         """The layer's delayed-scaling state (views of its buffers), or None for dynamic scaling."""
@@ -267,9 +274,10 @@ class Fp8Linear(nn.Linear):
                     "where the state's update (its gradient) would be lost. Run the model with fp8func.nn.apply("
                     "model, params, states, *args) and differentiate with respect to the states too.")
             self._hook_grad_output_state()
-        state = self._pending if self._pending is not None else self.scaling_state()
+        state = self.passed_state()
+        # packed: the state passed on stays one tensor (a compiled forward's one output, not six views)
         y, passed = fp8_linear(x, w, self.bias, self.recipe, state=state, w_casts=w_casts, x_casts=x_casts,
-                               amax_sharding=self.amax_sharding)
+                               amax_sharding=self.amax_sharding, packed=True)
         if torch.is_grad_enabled():
             self._pending = passed
         return y
