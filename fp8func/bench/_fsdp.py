@@ -18,12 +18,14 @@ mesh (``share_scaling_state``), on (``delayed-off`` runs when ``--configs`` name
 tokens/s (median synchronized step), against bf16, against the same recipe with the all-gather
 off, and against torchao; the host time of FSDP2's unshard per step (``torch.profiler`` CPU time
 of the ``FSDP::pre_forward`` and ``FSDP::pre_backward`` regions, where the pre-all-gather hooks
-run); peak memory; the loss at the last step; whether the losses equal the ``-off`` run's.
+run); peak memory; the loss at the last step; whether the losses equal the ``-off`` run's (on a CPU, or
+with ``--deterministic`` on a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 
@@ -106,7 +108,7 @@ def unshard_host_ms(step, steps: int = 3) -> float:
     """CPU ms per step inside FSDP2's pre-forward and pre-backward regions (the unshard, with the
     pre-all-gather hooks); nested regions counted once."""
     step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:
         for _ in range(steps):
             step()
     total = 0.0
@@ -137,15 +139,16 @@ def run_config(name: str, spec: dict, args, data, mesh) -> dict:
     return row
 
 
-def compare_on_off(rows: list[dict]) -> None:
+def compare_on_off(rows: list[dict], deterministic: bool = True) -> None:
     """Adds ``vs_off`` (tokens/s against the same recipe with the all-gather off) and
-    ``loss_equals_off`` (the loss sequences, bitwise: docs/fsdp.md's contract, where the GPU's
-    kernels are deterministic)."""
+    ``loss_equals_off`` (the loss sequences, bitwise: docs/fsdp.md's contract; None unless the
+    kernels are ``deterministic``: a CPU, or ``--deterministic`` on a GPU)."""
     by = {r["config"]: r for r in rows}
     for r in rows:
         off = by.get(f"{r['config']}-off") if r["fp8_all_gather"] and r["library"] == "fp8func" else None
         r["vs_off"] = r["tokens_per_s"] / off["tokens_per_s"] if off else None
-        r["loss_equals_off"] = r["losses"][:len(off["losses"])] == off["losses"][:len(r["losses"])] if off else None
+        same = r["losses"][:len(off["losses"])] == off["losses"][:len(r["losses"])] if off else None
+        r["loss_equals_off"] = same if deterministic else None
 
 
 def table(rows: list[dict], env: dict, setup: str) -> str:
@@ -173,7 +176,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_common_args(p, CONFIGS, "8b-layers", ",".join(DEFAULT_CONFIGS), compile_choices=("block", "none"))
     p.add_argument("--profile", action="store_true", help="GPU time of a step by kernel class (torch.profiler)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels (torch.use_deterministic_algorithms): the losses of the fp8 all-gather "
+                        "on and off are then compared bitwise; without it the column is not filled, since "
+                        "nondeterministic kernels (SDPA's backward, the embedding's) make two runs of one "
+                        "configuration differ and training amplifies it")
     args, spec, names = m.parse(p, argv, CONFIGS)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     env = m.environment("fsdp", argv, args.device)
     made = init_one_rank(args.device)
     try:
@@ -185,7 +196,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if made:
             dist.destroy_process_group()
     m.compare(rows, CONFIGS)
-    compare_on_off(rows)
+    compare_on_off(rows, args.deterministic or torch.device(args.device).type == "cpu")
     setup = (f"{m.model_line(spec)}; FSDP2 on a one-rank mesh ({env['device']}), fully_shard per decoder layer and "
              f"the root, fp32 master weights, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); "
              f"{m.step_line(args)}, then the scale precompute where stated; compile: {args.compile}; lm_head {'FP8' if args.fp8_lm_head else 'bf16'}; median of "

@@ -26,7 +26,7 @@ def _kernels(step, steps: int = STEPS) -> list[tuple[str, float, float]]:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
@@ -45,7 +45,7 @@ def _kernels(step, steps: int = STEPS) -> list[tuple[str, float, float]]:
         step()
     host = (time.perf_counter() - t0) / steps * 1e6
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
