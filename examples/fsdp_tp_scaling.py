@@ -316,6 +316,8 @@ def run_config(args, name, mesh, device, recorder) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     try:
         losses, times, gathered, fsdp_bytes = train(args, name, mesh, device, recorder)
     except Exception as e:  # torchao only: its row says n/a and why; the others must run
@@ -345,8 +347,19 @@ def run_config(args, name, mesh, device, recorder) -> dict:
                loss_last=losses[-1], step_s=step_s, tokens_per_s=args.batch * args.seq * submesh(mesh, "dp").size() / step_s,
                peak_mem_gib=peak.item() / 2**30 if device.type == "cuda" else None, collective_bytes=gathered,
                gather_bytes_dp=_per_step(gathered, "dp", args), gather_bytes_tp=_per_step(gathered, "tp", args),
-               fsdp_gather_bytes_counted=fsdp_bytes)
+               fsdp_gather_bytes_counted=fsdp_bytes, graph_breaks=sum(counters["graph_break"].values()),
+               graph_break_reasons=sorted(counters["graph_break"])[:8], graphs=counters["stats"]["unique_graphs"],
+               collective_calls=_calls_per_step(gathered, args))
     return row
+
+
+def _calls_per_step(gathered: dict | None, args) -> dict | None:
+    """{"dp all_gather": n, "tp reduce_scatter": n, ...}: the collectives one rank runs per step."""
+    if gathered is None:
+        return None
+    steps = min(args.bytes_steps, args.steps - min(args.warmup, args.steps - 1))
+    return {f"{group} {kind.removesuffix(' calls')}": n / steps for group, kinds in sorted(gathered.items())
+            for kind, n in sorted(kinds.items()) if kind.endswith(" calls")}
 
 
 def _per_step(gathered: dict | None, group: str, args) -> float | None:
@@ -367,17 +380,19 @@ def compare_on_off(rows: list[dict]) -> None:
                 (i for i, (a, b) in enumerate(zip(r["losses"], other["losses"])) if a != b), None)
 
 
-def table_line(r: dict, bf16_tok: float | None) -> str:
+def table_line(r: dict, bf16_tok: float | None, compiled: bool) -> str:
     mib = lambda b: "n/a" if b is None else f"{b / 2**20:.2f}"  # noqa: E731
     gather = {None: "-", True: "on", False: "off"}[r["fp8_all_gather"]]
     if "error" in r:
-        return f"| {r['config']} | {gather} | n/a | | n/a | n/a | n/a | n/a ({r['error']}) | |"
+        return f"| {r['config']} | {gather} | n/a | | n/a | n/a | n/a | n/a | n/a | n/a ({r['error']}) | |"
     ratio = f"{r['tokens_per_s'] / bf16_tok:.2f}x" if bf16_tok else ""
     finite = "True" if r["finite"] else f"False (step {r['first_nonfinite_step']})"
     peak = "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
+    calls = ", ".join(f"{k} {v:g}" for k, v in (r["collective_calls"] or {}).items()) or "n/a"
+    breaks = f"{r['graph_breaks']} ({r['graphs']} graphs)" if compiled else "- (eager)"
     return (f"| {r['config']} | {gather} | {r['tokens_per_s']:.0f} | {ratio} | {mib(r['gather_bytes_dp'])} / "
-            f"{mib(r['gather_bytes_tp'])} | {peak} | {finite} | {r['loss_first']:.5f} / {r['loss_last']:.5f} | "
-            f"{_on_off(r)} |")
+            f"{mib(r['gather_bytes_tp'])} | {calls} | {breaks} | {peak} | {finite} | "
+            f"{r['loss_first']:.5f} / {r['loss_last']:.5f} | {_on_off(r)} |")
 
 
 def _on_off(r: dict) -> str:
@@ -475,8 +490,9 @@ def report(args, rows, world, mesh) -> None:
                    f"All-gathered MiB: what one rank sends per step (FSDP2 weights over dp / activations and "
                    f"gradients over tp), from the c10d flight recorder over {args.bytes_steps} step(s).")
     header = ("| config | FSDP2 fp8 all-gather | tokens/s (global) | vs bf16 | all-gather MiB/step/rank dp / tp "
-              "| peak GiB | all finite | loss first / last | on == off (bitwise) |")
-    emit(args, env, description, header, [table_line(r, bf16) for r in rows],
+              "| collectives per step and rank | graph breaks | peak GiB | all finite | loss first / last | "
+              "on == off (bitwise) |")
+    emit(args, env, description, header, [table_line(r, bf16, bool(args.compile)) for r in rows],
          {"rows": rows, "curves": {r["config"]: r.get("losses") for r in rows}})
 
 

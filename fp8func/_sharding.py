@@ -37,6 +37,10 @@ class Sharding:
     placements: tuple[Placement, ...]
 
     def __post_init__(self):
+        if isinstance(self.mesh, torch.fx.Proxy):
+            # torch.compile records a Sharding handed to fp8func's op as a graph node over its mesh
+            # (a graph input); the compiled code builds it again from the real mesh, checked then.
+            return
         if not isinstance(self.mesh, DeviceMesh):
             raise TypeError(f"Sharding(mesh={self.mesh!r}): expected a torch.distributed DeviceMesh.")
         placements = tuple(self.placements)

@@ -305,3 +305,34 @@ def test_fsdp_uneven_shards(recipe):
     off = run_workers(_train, 3, recipe, False, 4, True, "fp32-master")
     assert on[0]["losses"] == off[0]["losses"]
     assert on[0]["bytes"] < off[0]["bytes"]
+
+
+def _shared_delayed_state_compiled(rank, world_size):
+    """Delayed scaling with its amaxes shared over the ranks, the model compiled (fullgraph), against
+    the same model run eagerly, 3 steps: the scaling states, bitwise; losses and gradients to fp32
+    rounding (inductor fuses the GELU and the loss's reduction in another order)."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.GELU(),
+                                    torch.nn.Linear(64, 64, bias=False))
+        f8.convert(model, "delayed", fsdp_fp8_all_gather=False)
+        f8.distributed.share_scaling_state(model, mesh)
+        run = torch.compile(model, fullgraph=True) if compiled else model
+        losses = []
+        for step in range(3):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(10 * step + rank)) * (1 + step + rank)
+            loss = run(x).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        runs.append((losses, [p.grad for p in model.parameters()], [b.clone() for b in model.buffers()]))
+    return runs
+
+
+@pytest.mark.slow
+def test_shared_delayed_scaling_state_compiles_and_matches_eager():
+    for (losses, grads, states), (c_losses, c_grads, c_states) in run_workers(_shared_delayed_state_compiled, 2):
+        assert all(torch.equal(u, v) for u, v in zip(states, c_states))
+        for u, v in [*zip(losses, c_losses), *zip(grads, c_grads)]:
+            torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-6)
