@@ -25,7 +25,9 @@ the bytes each rank all-gathers per step over dp (FSDP2's weights) and over tp (
 activations and gradients), read from c10d's flight recorder, which logs every collective that
 a process group runs, eager or compiled (the JSON also has the bytes FSDP2 hands to
 ``dist.all_gather_single``: the same as dp's, row scales of row-wise fp8 weights included; unevenly
-sharded row-wise weights gather their scales in a separate small all-gather); peak GPU memory;
+sharded row-wise weights gather their scales in a separate small all-gather); the collectives each
+rank runs per step, per group and kind (same source); with ``--compile``, the graph breaks dynamo
+took and the graphs it compiled (``torch._dynamo.utils.counters``; the JSON has the reasons); peak GPU memory;
 first and last loss; whether
 every loss was finite (the run exits 1 otherwise). Bitwise comparisons need reproducible runs:
 ``--deterministic strict`` (the default) turns on deterministic kernels (flash attention's

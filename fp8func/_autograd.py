@@ -97,7 +97,9 @@ class _LinearFn(torch.autograd.Function):
         out = (y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale)
         if states is None:
             return out
-        passed = torch.cat([t.reshape(-1) for st in states for t in st])
+        # plain: a replicated DTensor state (TP) would make the passed-on state a DTensor output, whose
+        # tangent torch.compile expects as a DTensor even when no later use gives it one
+        passed = torch.cat([_plain(t).reshape(-1) for st in states for t in st])
         zero = qx.scale.new_zeros(1)
         amaxes = torch.cat([_plain(zero if x_amax is None else x_amax), _plain(zero if w_amax is None else w_amax)])
         return out + (passed, amaxes)
