@@ -220,6 +220,7 @@ def build(args, name: str, mesh, device):
     _, dp_mesh = shard_2d(model, mesh, *plans)
     if CONFIGS[name][0] == "fp8func" and fp8func_recipe(CONFIGS[name][1]).delayed is not None:
         f8.distributed.share_scaling_state(model, dp_mesh)  # one state on every rank, FSDP2's dp mesh
+        f8.nn.hook_scaling_states(model)  # parallelize_module made the state buffers DTensors: hook those
     if args.compile:  # per-layer compile, FSDP2's hooks eager (the torchtitan layout)
         for layer in model.model.layers:
             layer.compile()

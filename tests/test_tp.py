@@ -436,3 +436,35 @@ def test_prepare_fp8_module_input_gathers_once_for_q_k_v(recipe):
         assert torch.equal(a["y"], b["y"]) and torch.equal(a["dx"], b["dx"])
         for name in a["grads"]:
             assert torch.equal(a["grads"][name], b["grads"][name]), name
+
+
+def _delayed_tp_compiled(rank, world_size, hook):
+    """A delayed-scaling MLP under the stock TP styles, eager and compiled (fullgraph), 3 steps:
+    the scaling states of each run (replicated DTensors after parallelize_module), or the error."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False))
+        f8.convert(model, "delayed", fsdp_fp8_all_gather=False)
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        if hook:
+            assert f8.nn.hook_scaling_states(model) == 2
+        run = torch.compile(model, fullgraph=True) if compiled else model
+        try:
+            for step in range(3):
+                x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step)) * (step + 1)
+                run(x).sum().backward()
+        except Exception as e:  # noqa: BLE001  (the test reads the message)
+            return str(e)
+        runs.append([b.full_tensor().clone() for b in model.buffers()])
+    return runs
+
+
+@pytest.mark.slow
+def test_delayed_scaling_under_tp_compiles_once_its_new_buffers_are_hooked():
+    for eager, compiled in run_workers(_delayed_tp_compiled, 2, True):
+        assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+        assert eager[1].flatten().ne(eager[1].new_ones(1)).all()  # the input scale moved off its initial value
+    for out in run_workers(_delayed_tp_compiled, 2, False):  # parallelize_module replaced the buffers
+        assert isinstance(out, str) and "fp8func.nn.hook_scaling_states(model)" in out, out

@@ -12,6 +12,7 @@ from ._convert import report as report
 from ._convert import unconvert as unconvert
 from ._export import export_fp8 as export_fp8
 from ._linear import Fp8Linear as Fp8Linear
+from ._linear import hook_scaling_states as hook_scaling_states
 from ._master import MasterWeights as MasterWeights
 from ._moe import MoE as MoE
 from ._moe import Fp8Experts as Fp8Experts
@@ -27,5 +28,5 @@ from ._weights import observe_all_gathers as observe_all_gathers
 
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MasterWeights", "MoE", "NumericsStats",
            "PrecisionSchedule", "Report", "Router", "Verification", "apply", "checkpoint_context", "convert",
-           "export_fp8", "next_states", "observe_all_gathers", "plan_conversion", "report", "scaling_states",
-           "tensor_stats", "unconvert", "verify"]
+           "export_fp8", "hook_scaling_states", "next_states", "observe_all_gathers", "plan_conversion", "report",
+           "scaling_states", "tensor_stats", "unconvert", "verify"]

@@ -58,6 +58,7 @@ class Fp8Linear(nn.Linear):
     fp8_weights = False  # True: the weight is an Fp8WeightParam (convert(..., fp8_weights=True))
     fp8_enabled = True  # False: plain F.linear in high precision (PrecisionSchedule's bf16 phases)
     amax_sharding = None  # delayed scaling: how the tokens are split over ranks (share_scaling_state)
+    _hooked_id = None  # delayed scaling: id() of the state buffer that carries the write-back hook
     # delayed scaling: ``_pending`` is the state passed on by the last call before a backward (packed
     # in one tensor; ``passed_state`` unpacks it);
     # ``_in_apply`` says fp8func.nn.apply is running the model (states explicit, no hooks)
@@ -106,6 +107,7 @@ class Fp8Linear(nn.Linear):
             return
         state.input.scale.register_post_accumulate_grad_hook(_StateGradHook(self))
         self._hooked_state = weakref.ref(state.input.scale)
+        self._hooked_id = id(state.input.scale)  # what a compiled forward can compare (not a weakref)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -197,6 +199,7 @@ class Fp8Linear(nn.Linear):
         # the hooked buffer is a weak reference to this layer's own tensor.
         state.pop("_pending", None)
         state.pop("_hooked_state", None)
+        state.pop("_hooked_id", None)
         master = self.master_weight()
         state["_master"] = None  # a copy is not trained by the original's MasterWeights
         w = self._parameters.get("weight")
@@ -274,6 +277,12 @@ class Fp8Linear(nn.Linear):
                     "where the state's update (its gradient) would be lost. Run the model with fp8func.nn.apply("
                     "model, params, states, *args) and differentiate with respect to the states too.")
             self._hook_grad_output_state()
+        elif not self._in_apply and torch.is_grad_enabled() and self._hooked_id != id(self.fp8_x_scale):
+            raise RuntimeError(
+                "fp8func: a compiled delayed-scaling Fp8Linear found state buffers it has not hooked: something "
+                "replaced them after convert (parallelize_module makes them replicated DTensors), and compiled code "
+                "cannot hook the new ones, so the next states would never be written. Call "
+                "fp8func.nn.hook_scaling_states(model) after parallelize_module and before the first compiled step.")
         state = self.passed_state()
         # packed: the state passed on stays one tensor (a compiled forward's one output, not six views)
         y, passed = fp8_linear(x, w, self.bias, self.recipe, state=state, w_casts=w_casts, x_casts=x_casts,
@@ -335,3 +344,22 @@ def _write_states() -> None:
     if targets:
         with torch.no_grad():
             torch._foreach_copy_(targets, values)
+
+
+def hook_scaling_states(model: nn.Module) -> int:
+    """Hooks the state buffers of every delayed-scaling ``Fp8Linear`` of ``model`` for the write of
+    their next state at the end of each backward; returns the number of layers.
+
+    ``convert`` and ``.to()`` hook them, and an eager forward hooks buffers that something else
+    replaced; a compiled forward cannot. Call this after a transform that replaces module buffers
+    (``parallelize_module`` makes them replicated DTensors) and before the first compiled step.
+
+    Example:
+        >>> parallelize_module(model, tp_mesh, plan)
+        >>> fp8func.nn.hook_scaling_states(model)
+        >>> model.compile()
+    """
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.recipe.delayed is not None]
+    for m in layers:
+        m._hook_grad_output_state()
+    return len(layers)
