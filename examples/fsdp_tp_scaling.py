@@ -14,7 +14,8 @@ unless ``--no-precompute-scales``):
 * ``fp8func-tensorwise``, ``fp8func-rowwise``: ``fp8func.convert`` + the fp8func TP styles
   (``tp_fp8_parity.sp_plans(fp8_styles=True)``), FSDP2 fp8 all-gather on; ``...-off``: the same
   with ``fsdp_fp8_all_gather=False``. docs/fsdp.md's contract: the two loss sequences are
-  bitwise equal (the "on == off" column);
+  bitwise equal (the "on == off" column); ``...-stock``: the stock TP styles (the sequence
+  gathers in bf16, the layer casting the gathered input), not in the default set;
 * ``fp8func-delayed`` (and ``-off``): delayed scaling of inputs and grad_outputs with the weight
   cast dynamically (``DelayedScaling(weight=False)``, so FSDP2 gathers it in FP8), the states
   shared over dp (``share_scaling_state``), the stock TP styles (the FP8 sequence gathers cast
@@ -68,8 +69,10 @@ CONFIGS = {
     "fp8func-rowwise-off": ("fp8func", "rowwise", False),
     "fp8func-delayed": ("fp8func", "delayed-dynamic-weight", True),
     "fp8func-delayed-off": ("fp8func", "delayed-dynamic-weight", False),
+    "fp8func-tensorwise-stock": ("fp8func", "tensorwise", True),
+    "fp8func-rowwise-stock": ("fp8func", "rowwise", True),
 }
-DEFAULT_CONFIGS = [n for n in CONFIGS if "delayed" not in n]
+DEFAULT_CONFIGS = [n for n in CONFIGS if "delayed" not in n and "stock" not in n]
 
 
 def fp8func_recipe(recipe: str) -> f8.Recipe:
@@ -200,7 +203,8 @@ def convert(model, name: str, fp8_lm_head: bool = False) -> tuple[dict, dict]:
     if lib == "fp8func":
         r = fp8func_recipe(recipe)
         f8.convert(model, r, fsdp_fp8_all_gather=fp8_gather, filter=keep)
-        plans = sp_plans(fp8_styles=r.delayed is None)  # delayed casts its input itself: the stock styles
+        # delayed casts its input itself, and "-stock" asks for them: the stock styles (bf16 sequence gathers)
+        plans = sp_plans(fp8_styles=r.delayed is None and not name.endswith("-stock"))
     elif lib == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
