@@ -309,6 +309,29 @@ def test_fp8_linear_delayed_compiled_trains_bitwise_like_eager_without_recompile
     assert runs[True][2] == 1
 
 
+# dynamo probes ``hasattr(t, "grad")`` on a layer's input (a non-leaf) inside a filter meant to
+# hide this warning, which pytest's warnings-as-errors turns into an error first.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
+def test_delayed_layers_compiled_one_by_one_share_one_graph():
+    """Per-block compile (torchtitan's): identical delayed layers compiled each on its own run one
+    compiled graph; nothing layer-specific (such as the id() of a state buffer) is guarded on, so
+    the recompilation limit is never reached in a deep model."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    layers = f8.convert(nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(6)]), "delayed",
+                        fsdp_fp8_all_gather=False)
+    for i, layer in enumerate(layers):
+        layers[i] = torch.compile(layer)
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(8, 64)
+    for _ in range(2):
+        layers(x).sum().backward()
+    # two: the first layer reads a tensor that needs no grad, the other five one that does
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["recompiles"])
+
+
 @pytest.mark.slow
 def test_functional_train_step_example_is_bitwise_the_stateful_module():
     """examples/functional_train_step.py (nn.apply + grad, every state in and out) trains exactly

@@ -19,6 +19,22 @@ from ._weights import FP8_ALL_GATHER, FP8_WEIGHTS, check_fp8_weights_recipe, hp_
 __all__ = ["Fp8Linear"]
 
 
+class _Hooked:
+    """The mark of a state buffer that carries its layer's write-back hook. One object for every
+    layer, so compiled code that checks the mark guards on the same value in each (an ``id()`` of
+    the buffer would be a different constant per layer: one recompilation each). Hooks are not
+    copied with tensors, so neither is the mark: a deep copy or a pickle of the buffer reads None."""
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
+
+
+_HOOKED = _Hooked()
+
+
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` computed in FP8 per ``recipe``; same parameters and state_dict keys.
 
@@ -58,7 +74,8 @@ class Fp8Linear(nn.Linear):
     fp8_weights = False  # True: the weight is an Fp8WeightParam (convert(..., fp8_weights=True))
     fp8_enabled = True  # False: plain F.linear in high precision (PrecisionSchedule's bf16 phases)
     amax_sharding = None  # delayed scaling: how the tokens are split over ranks (share_scaling_state)
-    _hooked_id = None  # delayed scaling: id() of the state buffer that carries the write-back hook
+    _input_casts = None  # the SharedInputCasts of this layer's sibling group (convert(share_input_casts=True))
+    _shares_input = False  # whether it has one (a bool: what compiled code reads, the same in every layer)
     # delayed scaling: ``_pending`` is the state passed on by the last call before a backward (packed
     # in one tensor; ``passed_state`` unpacks it);
     # ``_in_apply`` says fp8func.nn.apply is running the model (states explicit, no hooks)
@@ -107,7 +124,7 @@ class Fp8Linear(nn.Linear):
             return
         state.input.scale.register_post_accumulate_grad_hook(_StateGradHook(self))
         self._hooked_state = weakref.ref(state.input.scale)
-        self._hooked_id = id(state.input.scale)  # what a compiled forward can compare (not a weakref)
+        state.input.scale._fp8func_hooked = _HOOKED  # what a compiled forward can read (see _Hooked)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -199,7 +216,6 @@ class Fp8Linear(nn.Linear):
         # the hooked buffer is a weak reference to this layer's own tensor.
         state.pop("_pending", None)
         state.pop("_hooked_state", None)
-        state.pop("_hooked_id", None)
         master = self.master_weight()
         state["_master"] = None  # a copy is not trained by the original's MasterWeights
         w = self._parameters.get("weight")
@@ -258,7 +274,7 @@ class Fp8Linear(nn.Linear):
                     "without fp8_weights for tensor parallel alone."
                 )
             # Outside FSDP2: the stored casts (staged values are quantized now, whole-tensor amax).
-            return fp8_linear(x, w, self.bias, self.recipe, w_casts=local.casts(), x_casts=gathered_casts(x))[0]
+            return fp8_linear(x, w, self.bias, self.recipe, w_casts=local.casts(), x_casts=self._x_casts(x, w))[0]
         if w_casts is not None and "w" not in local.valid:
             raise RuntimeError(
                 "fp8func: this layer's forward ran while FSDP2 held only its backward (grad_input) "
@@ -267,9 +283,9 @@ class Fp8Linear(nn.Linear):
                 "reshard_after_forward=False) for checkpointed blocks, a tensorwise or blockwise "
                 "recipe, or convert(..., fsdp_fp8_all_gather=False)."
             )
-        x_casts = gathered_casts(x)
         if self.recipe.delayed is None:
-            return fp8_linear(x, w, self.bias, self.recipe, w_casts=w_casts, x_casts=x_casts)[0]
+            return fp8_linear(x, w, self.bias, self.recipe, w_casts=w_casts, x_casts=self._x_casts(x, w))[0]
+        x_casts = gathered_casts(x)
         if not self._in_apply and not torch.compiler.is_compiling():
             if torch._C._functorch.peek_interpreter_stack() is not None:
                 raise RuntimeError(
@@ -277,7 +293,8 @@ class Fp8Linear(nn.Linear):
                     "where the state's update (its gradient) would be lost. Run the model with fp8func.nn.apply("
                     "model, params, states, *args) and differentiate with respect to the states too.")
             self._hook_grad_output_state()
-        elif not self._in_apply and torch.is_grad_enabled() and self._hooked_id != id(self.fp8_x_scale):
+        elif (not self._in_apply and torch.is_grad_enabled()
+              and getattr(self.fp8_x_scale, "_fp8func_hooked", None) is not _HOOKED):
             raise RuntimeError(
                 "fp8func: a compiled delayed-scaling Fp8Linear found state buffers it has not hooked: something "
                 "replaced them after convert (parallelize_module makes them replicated DTensors), and compiled code "
@@ -290,6 +307,14 @@ class Fp8Linear(nn.Linear):
         if torch.is_grad_enabled():
             self._pending = passed
         return y
+
+    def _x_casts(self, x: torch.Tensor, w: torch.Tensor) -> dict | None:
+        """The input's casts made elsewhere: gathered in FP8 (sequence parallel), or made once for
+        this layer's sibling group (``SharedInputCasts``); None where the layer casts it itself."""
+        casts = gathered_casts(x)
+        if casts is None and self._shares_input and not torch.compiler.is_compiling():
+            casts = self._input_casts.get(x, self.recipe, w.requires_grad)  # eager only: see SharedInputCasts
+        return casts
 
     def extra_repr(self) -> str:
         fp8_weights = ", fp8_weights=True" if self.fp8_weights else ""
