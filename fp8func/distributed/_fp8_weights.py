@@ -40,7 +40,6 @@ import copy
 from collections import OrderedDict
 
 import torch
-from torch.distributed.tensor import Shard
 
 from .._casts import weight_casts
 from .._ops import dequantize, quantize
@@ -49,12 +48,13 @@ from .._scaling import Recipe
 from .._sharding import Sharding
 from ..nn._weights import check_fp8_weights_recipe, notify_all_gather
 from ._fp8_weights_ops import HANDLERS, SHELL_MSG, State, fallback
-from ._fsdp import _GatherHooks, add_all_gather_input, finish_all_gather_inputs
+from ._fsdp import _GatherHooks, add_all_gather_input, finish_all_gather_inputs, keep_hook_signature
 
 __all__ = ["Fp8WeightParam", "check_fp8_weights_recipe"]
 
-# Tensor attributes a deep copy leaves behind: the state is cloned, FSDP2's lookup cache is the original's.
-_NOT_COPIED = ("_state", "_fsdp_group")
+# Tensor attributes a deep copy leaves behind: the state is cloned; FSDP2's lookup cache and the
+# all-gather hook's kept plan and sharding are the original's.
+_NOT_COPIED = ("_state", "_fsdp_group", "_plan_kept", "_sharding_kept")
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -296,7 +296,7 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
         if self._state.staged is not None:
             # Exactly Fp8AllGatherWeight's quantization: the shard in the param dtype, amax reduced
             # over the FSDP mesh (and the TP mesh under 2D). Runs on every rank together.
-            self.quantize_staged(param_dtype, (Sharding(mesh, (Shard(0),)),) + self._tp_sharding())
+            self.quantize_staged(param_dtype, self._hook_sharding(mesh))
         state = self._state
         if state.casts is None:
             raise RuntimeError(SHELL_MSG)
@@ -308,3 +308,6 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
         entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
         notify_all_gather(self, module, inputs, mp_policy)
         return tuple(inputs), (entries, tuple(slots), n)
+
+
+keep_hook_signature(Fp8WeightParam)
