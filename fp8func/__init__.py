@@ -44,6 +44,7 @@ from ._plan import plan as plan
 from ._collectives import all_gather as all_gather
 from ._gemm import gemm as gemm
 from ._gemm import gemm_path as gemm_path
+from ._casts import input_casts as input_casts
 from ._autograd import linear as linear
 from ._autograd import linear_delayed as linear_delayed
 from ._grouped import JaggedFp8Tensor as JaggedFp8Tensor
@@ -118,6 +119,7 @@ __all__ = [
     "fp8_max",
     "gemm",
     "gemm_path",
+    "input_casts",
     "linear",
     "linear_delayed",
     "plan",

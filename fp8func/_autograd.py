@@ -185,6 +185,8 @@ def _saved(casts, hp: bool, given: dict, name: str, wrote_t: bool, payload: tupl
     if hp:
         return ("hp", (hp_tensor, hp_tensor)) if not given else ("missing", ())
     if given:
+        if name + ".T" in given:  # the transposed copy made with the given cast (input_casts)
+            return "cast_t", given[name + ".T"]
         if casts.reuses:
             return "cast", payload
         t_name = name + "_t"
@@ -357,9 +359,18 @@ def _leaves(group: dict[str, Fp8Tensor] | None, wanted: list, what: str, p: Line
     if group is None:
         return (), ()
     names = [name for name, _ in wanted]
+    if what == "input" and "x.T" in group and _takes_copy(p):
+        names = ["x", "x.T"]  # input_casts: the forward's cast and its transposed copy
     if sorted(group) != sorted(names):
-        raise ValueError(f"linear: plan {p.name!r} needs {what} casts {names}, got {sorted(group)}.")
+        raise ValueError(f"linear: plan {p.name!r} needs {what} casts {names}, got {sorted(group)} "
+                         "(make them with fp8func.input_casts(x, recipe) for this recipe).")
     return tuple(names), tuple(t for name in names for t in (group[name].data, group[name].scale))
+
+
+def _takes_copy(p: LinearPlan) -> bool:
+    """Whether the grad_weight GEMM reads the forward's input cast transposed (``"x.T"``)."""
+    xs = operand(p, "x")
+    return xs.first is not None and xs.second == xs.first
 
 
 def _check_state(state, p: LinearPlan, x, weight) -> None:
@@ -428,6 +439,7 @@ def linear(
     recipe: Recipe | LinearPlan | str = "tensorwise",
     *,
     state: LinearScalingState | None = None,
+    x_casts: dict[str, Fp8Tensor] | None = None,
 ) -> torch.Tensor:
     """FP8 drop-in for ``torch.nn.functional.linear``: ``x @ weight.T + bias``, differentiable.
 
@@ -440,6 +452,8 @@ def linear(
         weight: ``[N, K]``; its gradient comes back in its own dtype (fp32 master weights stay fp32).
         bias: optional ``[N]``, added in the output dtype.
         recipe: a ``Recipe``, a recipe name (``Recipe.from_name``) or a per-GEMM ``LinearPlan``.
+        x_casts: ``input_casts(x, recipe)``, made once for several linears that read ``x``; the
+            result is bitwise the same as without, and ``x`` then only routes the gradient.
 
     Example:
         >>> import torch, fp8func as f8
@@ -452,7 +466,7 @@ def linear(
         raise TypeError(f"linear: plan {p.name!r} with state={'given' if state is not None else None}: linear returns "
                         "a tensor and scales dynamically; for delayed scaling call "
                         "fp8func.linear_delayed(x, weight, bias, recipe, state) -> (y, state).")
-    return fp8_linear(x, weight, bias, p)[0]
+    return fp8_linear(x, weight, bias, p, x_casts=x_casts)[0]
 
 
 def linear_delayed(

@@ -21,7 +21,7 @@ from ._scaling import (AxisWise, BlockWise, CastSpec, Recipe, TensorWise, comput
                        raw_block_lengths, scale_shape)
 from ._sharding import Sharding, reduce_amax
 
-__all__ = ["activation_casts", "grad_output_casts", "weight_casts"]
+__all__ = ["activation_casts", "grad_output_casts", "input_casts", "weight_casts"]
 
 
 def _has_kernel(g) -> bool:
@@ -236,6 +236,38 @@ def _casts_of(name: str, casts) -> list[tuple[str, CastSpec]]:
     if casts.first is None or casts.second is None:
         return []
     return [(name, casts.first)] if casts.reuses else [(name, casts.first), (name + "_t", transposed(casts.second))]
+
+
+def input_casts(x: torch.Tensor, recipe: Recipe | LinearPlan | str, *,
+                weight_requires_grad: bool = True) -> dict[str, Fp8Tensor] | None:
+    """The casts of ``x [..., K]`` that a linear with ``recipe`` makes of its input, made once so
+    that several linears reading ``x`` (an attention block's q, k and v; an MLP's gate and up)
+    share them: ``linear(x, w, b, recipe, x_casts=input_casts(x, recipe))`` is bitwise
+    ``linear(x, w, b, recipe)``, and ``x`` then only routes the gradient.
+
+    The names are ``activation_casts(recipe)``'s, plus ``"x.T"`` where the fused kernels write the
+    forward cast's transposed copy for the grad_weight GEMM in the same pass (as the linear does
+    when it casts its input itself; ``weight_requires_grad=False``: no grad_weight, no copy).
+    None for a plan whose grad_weight GEMM runs in high precision (it needs ``x`` itself) or
+    that scales with a delayed state. The payloads are not differentiable.
+
+    Example:
+        >>> h, wq, wk = torch.randn(8, 64), torch.randn(32, 64), torch.randn(32, 64)
+        >>> casts = f8.input_casts(h, "tensorwise")
+        >>> q, k = (f8.linear(h, w, recipe="tensorwise", x_casts=casts) for w in (wq, wk))
+    """
+    p = plan(recipe)
+    specs = activation_casts(p)
+    if not specs or p.delayed is not None:
+        return None
+    rows = x.detach().reshape(-1, x.shape[-1])
+    xs = operand(p, "x")
+    copy = (weight_requires_grad and torch.is_grad_enabled() and xs.second == xs.first
+            and _use_kernels(rows, xs.first, p.kernels))
+    if copy:  # the forward's cast and its transposed copy, from one pass (the second cast is not needed)
+        q, q_t = _cast(rows, xs.first, transpose=True, kernels=p.kernels)
+        return {"x": q, "x.T": q_t}
+    return {name: _cast(rows, spec, kernels=p.kernels)[0] for name, spec in specs}
 
 
 def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, p: LinearPlan, x_given: bool, w_given: bool):

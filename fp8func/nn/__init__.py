@@ -19,6 +19,7 @@ from ._moe import Fp8Experts as Fp8Experts
 from ._moe import Fp8MoE as Fp8MoE
 from ._moe import Router as Router
 from ._schedule import PrecisionSchedule as PrecisionSchedule
+from ._shared import SharedInputCasts as SharedInputCasts
 from ._stats import NumericsStats as NumericsStats
 from ._stats import tensor_stats as tensor_stats
 from ._verify import LayerCheck as LayerCheck
@@ -27,6 +28,6 @@ from ._verify import verify as verify
 from ._weights import observe_all_gathers as observe_all_gathers
 
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MasterWeights", "MoE", "NumericsStats",
-           "PrecisionSchedule", "Report", "Router", "Verification", "apply", "checkpoint_context", "convert",
+           "PrecisionSchedule", "Report", "Router", "SharedInputCasts", "Verification", "apply", "checkpoint_context", "convert",
            "export_fp8", "hook_scaling_states", "next_states", "observe_all_gathers", "plan_conversion", "report",
            "scaling_states", "tensor_stats", "unconvert", "verify"]

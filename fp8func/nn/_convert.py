@@ -24,6 +24,8 @@ from .._scaling import AxisWise, Recipe, block_lengths
 from ._auto import MARGIN, estimate_ms, profile_for
 from ._linear import Fp8Linear, _check_fp8_weights
 from ._moe import Fp8Experts, is_fused_experts
+from ._shared import share_input_casts as _share_input_casts
+from ._shared import unshare_input_casts
 
 __all__ = ["convert", "plan_conversion", "planned", "report", "unconvert", "LayerReport", "Report"]
 
@@ -228,6 +230,7 @@ def convert(
     fsdp_fp8_all_gather: bool = True,
     fp8_weights: bool = False,
     tokens: int = 8192,
+    share_input_casts: bool = True,
 ) -> nn.Module:
     """Puts ``model``'s linear layers in FP8 in place (``Fp8Linear``), per ``plan_conversion``; returns ``model``.
 
@@ -257,6 +260,11 @@ def convert(
     anything changes. ``report(model)`` reads the decisions back from the converted layers;
     ``plan_conversion`` returns them without converting.
 
+    ``share_input_casts``: sibling FP8 layers with one input size and one dynamic recipe (an
+    attention block's q, k and v; an MLP's gate and up) cast a tensor they all read once per call
+    of their parent module, not once each (``fp8func.nn.SharedInputCasts``): the same bits, fewer
+    casts, in eager code (compiled code casts per layer). False: every layer casts its own input.
+
     Logs one line on the ``fp8func`` logger (INFO):
     ``fp8func: converted N/M linear layers (recipe=..., fsdp_fp8_all_gather=...)``.
     """
@@ -272,6 +280,10 @@ def convert(
     for d in decisions:
         if d.change:
             _replace(model, d.fqn, _apply(d, recipe, plan))
+    if share_input_casts:
+        _share_input_casts(model)
+    else:
+        unshare_input_casts(model)
     linears = [d for d in decisions if isinstance(d.module, nn.Linear)]
     experts = [d for d in decisions if not isinstance(d.module, nn.Linear)]
     log.info("fp8func: converted %d/%d linear layers (recipe=%s, fsdp_fp8_all_gather=%s%s)%s",
@@ -331,6 +343,7 @@ def unconvert(model: nn.Module) -> nn.Module:
             "(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))) into a plain model.")
     if isinstance(model, (Fp8Linear, Fp8Experts)):
         raise ValueError("unconvert: the model itself is an FP8 layer; call its to_linear() / to_experts().")
+    unshare_input_casts(model)
     for fqn, m in found:
         _replace(model, fqn, m.to_linear() if isinstance(m, Fp8Linear) else m.to_experts())
     return model
