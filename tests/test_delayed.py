@@ -309,6 +309,31 @@ def test_fp8_linear_delayed_compiled_trains_bitwise_like_eager_without_recompile
     assert runs[True][2] == 1
 
 
+@pytest.mark.parametrize("copy_kind", ["deepcopy", "pickle"])
+def test_a_copy_of_a_delayed_model_trains_compiled_from_its_first_call(copy_kind):
+    """A copy's state buffers are new tensors; the copy hooks them itself, so its first call may be
+    a compiled one (fullgraph: no eager call in between), and its next states are written."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = f8.convert(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32)), "delayed", fsdp_fp8_all_gather=False)
+    x = torch.randn(8, 64)
+    model(x).sum().backward()  # the original has trained a step: its states are not the initial ones
+    if copy_kind == "deepcopy":
+        other = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        other = torch.load(buf, weights_only=False)
+    before = other[0].fp8_x_history.clone()
+    torch._dynamo.reset()
+    torch.compile(other, fullgraph=True)(x * 4).sum().backward()
+    assert not torch.equal(other[0].fp8_x_history, before)  # the compiled step wrote the next state
+    assert torch.equal(model[0].fp8_x_history, before)  # and not the original's
+
+
 # dynamo probes ``hasattr(t, "grad")`` on a layer's input (a non-leaf) inside a filter meant to
 # hide this warning, which pytest's warnings-as-errors turns into an error first.
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")

@@ -233,6 +233,9 @@ class Fp8Linear(nn.Linear):
         if kind is not None and isinstance(w, torch.Tensor) and weight_kind(w) != kind:
             # Pickled (torch.save of the model, copy by pickling) as its plain values: wrap them again.
             self.weight = nn.Parameter(wrap_weight(w, kind, self.recipe), requires_grad=w.requires_grad)
+        # A copy's state buffers are new tensors, without the hook: hook them now, so that a copy's
+        # first call may be a compiled one.
+        self._hook_grad_output_state()
 
     @torch.no_grad()
     def to_linear(self) -> nn.Linear:
