@@ -104,6 +104,10 @@ def test_compiled_layers_graph_breaks_and_collectives(tmp_path):
     # 7 per layer; plus one for the weights' precomputed scales (one over dp, one over tp).
     assert extra("fp8func-tensorwise-stock", "tp all_reduce") == 2 * 7 + 1
     assert extra("fp8func-tensorwise-stock", "dp all_reduce") == 1
+    # With FSDP2's fp8 all-gather off, each TP-sharded weight's amax is reduced inside its layer
+    # (7 per layer over tp), and nothing is precomputed.
+    assert extra("fp8func-tensorwise-stock-off", "tp all_reduce") == 2 * (7 + 7)
+    assert extra("fp8func-tensorwise-stock-off", "dp all_reduce") == 0
     # Row-wise: the same 7 activation rows per layer, and each of the 7 weights' column scales
     # (w_t) spans one mesh dim's shards: one all-reduce over tp and one over dp per weight.
     assert extra("fp8func-rowwise-stock", "tp all_reduce") == 2 * (7 + 7)
