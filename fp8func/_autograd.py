@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._casts import _cast, _cast_delayed, _forward_transposes, activation_casts, weight_casts
+from ._casts import _cast, _cast_delayed, _forward_transposes, activation_casts, takes_x_copy, weight_casts
 from ._delayed import LinearScalingState, ScalingState, consume, record_merged, record_merged_stacked
 from ._formats import tracing
 from ._gathered import gathered_casts
@@ -359,18 +359,12 @@ def _leaves(group: dict[str, Fp8Tensor] | None, wanted: list, what: str, p: Line
     if group is None:
         return (), ()
     names = [name for name, _ in wanted]
-    if what == "input" and "x.T" in group and _takes_copy(p):
+    if what == "input" and "x.T" in group and takes_x_copy(p):
         names = ["x", "x.T"]  # input_casts: the forward's cast and its transposed copy
     if sorted(group) != sorted(names):
         raise ValueError(f"linear: plan {p.name!r} needs {what} casts {names}, got {sorted(group)} "
                          "(make them with fp8func.input_casts(x, recipe) for this recipe).")
     return tuple(names), tuple(t for name in names for t in (group[name].data, group[name].scale))
-
-
-def _takes_copy(p: LinearPlan) -> bool:
-    """Whether the grad_weight GEMM reads the forward's input cast transposed (``"x.T"``)."""
-    xs = operand(p, "x")
-    return xs.first is not None and xs.second == xs.first
 
 
 def _check_state(state, p: LinearPlan, x, weight) -> None:

@@ -261,13 +261,25 @@ def input_casts(x: torch.Tensor, recipe: Recipe | LinearPlan | str, *,
     if not specs or p.delayed is not None:
         return None
     rows = x.detach().reshape(-1, x.shape[-1])
-    xs = operand(p, "x")
-    copy = (weight_requires_grad and torch.is_grad_enabled() and xs.second == xs.first
-            and _use_kernels(rows, xs.first, p.kernels))
-    if copy:  # the forward's cast and its transposed copy, from one pass (the second cast is not needed)
-        q, q_t = _cast(rows, xs.first, transpose=True, kernels=p.kernels)
+    if torch.is_grad_enabled() and weight_requires_grad and _writes_x_copy(x, p):
+        # the forward's cast and its transposed copy, from one pass (the second cast is not needed)
+        q, q_t = _cast(rows, operand(p, "x").first, transpose=True, kernels=p.kernels)
         return {"x": q, "x.T": q_t}
     return {name: _cast(rows, spec, kernels=p.kernels)[0] for name, spec in specs}
+
+
+def takes_x_copy(p: LinearPlan) -> bool:
+    """Whether the grad_weight GEMM can read the forward's input cast transposed: its cast is
+    the forward's, written on the transposed layout."""
+    xs = operand(p, "x")
+    return xs.second is not None and xs.second == xs.first
+
+
+def _writes_x_copy(x: torch.Tensor, p: LinearPlan) -> bool:
+    """Whether a cast of the input ``x`` writes that transposed copy in the same pass: the plan
+    takes one and the fused kernels cast ``x``."""
+    return takes_x_copy(p) and _use_kernels(x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x,
+                                            operand(p, "x").first, p.kernels)
 
 
 def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, p: LinearPlan, x_given: bool, w_given: bool):
@@ -287,11 +299,11 @@ def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, p: LinearPlan, x_
     if not torch.is_grad_enabled():
         return False, False
     want_x = want_w = False
-    xs, ws = operand(p, "x"), operand(p, "w")
+    ws = operand(p, "w")
     # Given casts (an FP8 sequence-parallel gather, FSDP2's fp8 weight gather) are never read
     # here: those tensors exist only as their casts, and any op on them raises.
-    if weight.requires_grad and not x_given and xs.second is not None and xs.second == xs.first:
-        want_x = _use_kernels(x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x, xs.first, p.kernels)
+    if weight.requires_grad and not x_given:
+        want_x = _writes_x_copy(x, p)
     if x.requires_grad and not w_given and ws.reuses and ws.second == ws.first:
         want_w = _use_kernels(weight, ws.first, p.kernels)
     return bool(want_x), bool(want_w)

@@ -75,7 +75,6 @@ class Fp8Linear(nn.Linear):
     fp8_enabled = True  # False: plain F.linear in high precision (PrecisionSchedule's bf16 phases)
     amax_sharding = None  # delayed scaling: how the tokens are split over ranks (share_scaling_state)
     _input_casts = None  # the SharedInputCasts of this layer's sibling group (convert(share_input_casts=True))
-    _shares_input = False  # whether it has one (a bool: what compiled code reads, the same in every layer)
     # delayed scaling: ``_pending`` is the state passed on by the last call before a backward (packed
     # in one tensor; ``passed_state`` unpacks it);
     # ``_in_apply`` says fp8func.nn.apply is running the model (states explicit, no hooks)
@@ -315,8 +314,9 @@ class Fp8Linear(nn.Linear):
         """The input's casts made elsewhere: gathered in FP8 (sequence parallel), or made once for
         this layer's sibling group (``SharedInputCasts``); None where the layer casts it itself."""
         casts = gathered_casts(x)
-        if casts is None and self._shares_input and not torch.compiler.is_compiling():
-            casts = self._input_casts.get(x, self.recipe, w.requires_grad)  # eager only: see SharedInputCasts
+        # eager only (see SharedInputCasts); compiled code never reads the group, a per-layer object
+        if casts is None and not torch.compiler.is_compiling() and self._input_casts is not None:
+            casts = self._input_casts.get(x, self.recipe, w.requires_grad)
         return casts
 
     def extra_repr(self) -> str:

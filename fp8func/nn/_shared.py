@@ -83,19 +83,17 @@ def _clear(module: nn.Module, *args) -> None:
         group.clear()
 
 
-def share_input_casts(model: nn.Module) -> int:
+def share_input_casts(model: nn.Module) -> None:
     """Gives each group of sibling ``Fp8Linear`` layers with one input size and one dynamic recipe
-    a ``SharedInputCasts``, and their parent the hooks that empty it; returns how many layers
-    share. Layers with delayed scaling (their own scales) or a high-precision grad_weight GEMM
+    a ``SharedInputCasts``, and their parent the hooks that empty it. Layers with delayed scaling (their own scales) or a high-precision grad_weight GEMM
     (no input cast) are left out. Idempotent."""
     from ._linear import Fp8Linear
 
-    shared = 0
     for parent in model.modules():
         by_input: dict = {}
         for m in parent.children():
             if isinstance(m, Fp8Linear):
-                m._input_casts, m._shares_input = None, False
+                m._input_casts = None
                 if m.recipe.delayed is None and activation_casts(m.recipe):
                     by_input.setdefault((m.in_features, m.recipe), []).append(m)
         groups = [g for g in by_input.values() if len(g) > 1]
@@ -111,16 +109,14 @@ def share_input_casts(model: nn.Module) -> int:
             parent.register_forward_hook(_clear)
         for g in groups:
             for m in g:
-                m._input_casts, m._shares_input = getattr(parent, _ATTR), True
-            shared += len(g)
-    return shared
+                m._input_casts = getattr(parent, _ATTR)
 
 
 def unshare_input_casts(model: nn.Module) -> None:
     """Undoes ``share_input_casts``: every layer casts its own input again."""
     for m in model.modules():
         if getattr(m, "_input_casts", None) is not None:
-            m._input_casts, m._shares_input = None, False
+            m._input_casts = None
         _unhook(m)
 
 
