@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from ._casts import _cast, _cast_delayed, _forward_transposes, activation_casts, takes_x_copy, weight_casts
 from ._delayed import LinearScalingState, ScalingState, consume, record_merged, record_merged_stacked
 from ._formats import tracing
-from ._gathered import gathered_casts
+from ._gathered import casts_only, gathered_casts
 from ._gemm import gemm
 from ._plan import LinearPlan, operand, plan, transposed, untileable
 from ._qtensor import Fp8Meta, Fp8Tensor
@@ -50,12 +50,19 @@ class _Layout:
     delayed: bool = False
     transposes: tuple[bool, bool] = (False, False)  # the forward writes x's / w's transposed fp8 copy
     sharding: Sharding | None = None  # delayed: how x's and dy's rows are split over ranks
+    x_inside: bool = False  # x exists only as its casts (x_given), read from x itself inside the op
 
 
-def _unpack(layout: _Layout, leaves) -> tuple[dict, dict, tuple | None]:
+def _unpack(layout: _Layout, x, leaves) -> tuple[dict, dict, tuple | None]:
     it = iter(leaves)
     w = {name: (next(it), next(it)) for name in layout.w_given}
-    x = {name: (next(it), next(it)) for name in layout.x_given}
+    if layout.x_inside:
+        # A casts-only input made inside a compiled region (a sequence gather): dynamo cannot read
+        # its casts, AOTAutograd, tracing this op, can.
+        casts = gathered_casts(x)
+        x = {name: (casts[name].data, casts[name].scale) for name in layout.x_given}
+    else:
+        x = {name: (next(it), next(it)) for name in layout.x_given}
     states = tuple(ScalingState(next(it), next(it)) for _ in range(3)) if layout.delayed else None
     return w, x, states
 
@@ -84,7 +91,7 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, p: LinearPlan, layout: _Layout, *leaves):
-        gw, gx, states = _unpack(layout, leaves)
+        gw, gx, states = _unpack(layout, x, leaves)
         xs, ws = operand(p, "x"), operand(p, "w")
         tx, tw = layout.transposes
         x2 = x if gx else x.reshape(-1, x.shape[-1])  # given casts: x only routes the gradient
@@ -107,7 +114,7 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, p, layout, *leaves = inputs
-        gw, gx, states = _unpack(layout, leaves)
+        gw, gx, states = _unpack(layout, x, leaves)
         _, qx_data, qx_scale, qw_data, qw_scale, *rest = output
         ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale, *rest[1:])
         ctx.plan, ctx.layout = p, layout
@@ -153,7 +160,7 @@ class _LinearFn(torch.autograd.Function):
                 raise ValueError("fp8func: a grad_output gathered in FP8 cannot give a bias gradient; "
                                  "use the stock RowwiseParallel for layers with a bias.")
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        given = (None,) * (2 * (len(ctx.layout.w_given) + len(ctx.layout.x_given)))
+        given = (None,) * (2 * (len(ctx.layout.w_given) + (0 if ctx.layout.x_inside else len(ctx.layout.x_given))))
         states = () if not ctx.layout.delayed else _next_states(ctx, state_saved, grads[4], dy_amax)
         return (dx, dw, db, None, None, *given, *states)
 
@@ -165,8 +172,8 @@ class _LinearFn(torch.autograd.Function):
         def pick(t, d, i):
             return t if t is None or d is None else t.select(d, i)
 
-        n_given = 2 * (len(layout.w_given) + len(layout.x_given))
-        if any(d is not None for d in in_dims[5:5 + n_given]):
+        n_given = 2 * (len(layout.w_given) + (0 if layout.x_inside else len(layout.x_given)))
+        if any(d is not None for d in in_dims[5:5 + n_given]) or (layout.x_inside and in_dims[0] is not None):
             raise ValueError("fp8func.linear: vmap over weight or input casts made elsewhere (FSDP2's fp8 "
                              "all-gather, an FP8 sequence gather) is not supported; vmap over the tensors.")
         tensors = (x, weight, bias, *leaves)
@@ -392,29 +399,33 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
     ``w_casts`` / ``x_casts``: the weight's / input's casts made elsewhere (named as
     ``weight_casts(plan)`` / ``activation_casts(plan)``); the tensor then only routes the
-    gradient. ``state``: the delayed-scaling state (a delayed plan needs one, a dynamic one none).
+    gradient; an ``x`` that exists only as its casts (an FP8 sequence gather) gives them itself,
+    read inside the op. ``state``: the delayed-scaling state (a delayed plan needs one, a dynamic one none).
     ``packed``: the state passed on as the one flat tensor the op returns (``unpack_state``
     makes it a ``LinearScalingState``), which a compiled caller hands on without six views.
     """
     p = plan(recipe)
     _check_args(x, weight, bias, p)
+    x_inside = x_casts is None and casts_only(x)
     if (p.delayed is None) != (state is None):
         raise ValueError(f"linear: plan {p.name!r} " + (
             "scales dynamically; drop the state or use a delayed recipe." if p.delayed is None else
             "uses delayed scaling and needs state=LinearScalingState (fp8func.linear_delayed)."))
-    if p.delayed is not None and (x_casts is not None or (w_casts is not None and p.delayed.weight)):
+    if p.delayed is not None and (x_casts is not None or x_inside or (w_casts is not None and p.delayed.weight)):
         raise ValueError("fp8func: delayed scaling casts the input (and, unless DelayedScaling(weight=False), the "
                          "weight) itself; use the stock TP styles, and fsdp_fp8_all_gather=False or "
                          "DelayedScaling(weight=False) with a delayed recipe.")
     w_names, w_leaves = _leaves(w_casts, weight_casts(p), "weight", p)
     x_names, x_leaves = _leaves(x_casts, activation_casts(p), "input", p)
+    if x_inside:
+        x_names = tuple(name for name, _ in activation_casts(p))
     states = ()
     if state is not None:
         _check_state(state, p, x, weight)
         states = tuple(t for st in state for t in st)
     layout = _Layout(w_names, x_names, state is not None,
                      _forward_transposes(x, weight, p, bool(x_names), bool(w_names)),
-                     amax_sharding if state is not None else None)
+                     amax_sharding if state is not None else None, x_inside)
     out = _LinearFn.apply(x, weight, bias, p, layout, *w_leaves, *x_leaves, *states)
     if state is None:
         return out[0], None

@@ -12,9 +12,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._qtensor import Fp8Tensor
 
-__all__ = ["Fp8GatheredWeight", "gathered_casts"]
+__all__ = ["Fp8GatheredWeight", "casts_only", "gathered_casts"]
 
 aten = torch.ops.aten
+
+
+def casts_only(t) -> bool:
+    """Whether ``t`` (or a DTensor's local tensor) exists only as its casts. A type test that
+    dynamo answers from the traced value, also for one made inside the compiled region (whose
+    casts dynamo cannot read: ``linear`` reads them inside its op)."""
+    return isinstance(t.to_local() if isinstance(t, DTensor) else t, Fp8GatheredWeight)
 
 
 def gathered_casts(t) -> dict[str, Fp8Tensor] | None:

@@ -57,7 +57,9 @@ def _fp8_gather_fits(s_local: int, specs) -> bool:
 
 def _gather_casts(x_local: torch.Tensor, mesh: DeviceMesh, specs) -> DTensor:
     """Casts each of ``specs`` of a sequence shard ``[B, S/tp, F]`` with the TP-reduced amax and
-    all-gathers the fp8 bytes (and the per-token / per-block scales) along the sequence.
+    all-gathers the fp8 bytes (and the per-token / per-block scales) along the sequence, all of
+    them in one collective: a uint8 buffer per group of tokens holding each cast's bytes and
+    scales of those tokens.
 
     Shards are even, as the stock styles assume (``DTensor.from_local`` of a ``Shard(1)`` input).
     Returns a Replicate DTensor ``[B, S, F]`` that exists only as its (2-D, ``[B*S, F]``) casts.
@@ -70,42 +72,46 @@ def _gather_casts(x_local: torch.Tensor, mesh: DeviceMesh, specs) -> DTensor:
             "the casts; use a sequence length divisible by the block x TP size."
         )
     ws = mesh.size(0)
-    sizes = [s_local] * ws
     rows = x_local.reshape(-1, f)  # [B * S_local, F]: this rank's tokens
     sharding = Sharding(mesh, (Shard(0),))  # the tokens are split over the TP group
-    casts = {}
-    for name, spec in specs:
-        q = _cast(rows, spec, sharding=(sharding,))[0]  # the fused kernels on CUDA: this runs eagerly
-        data = _gather_padded(q.data.view(torch.uint8).reshape(b, s_local, f), 1, sizes, mesh, 0)
-        scale = q.scale
-        block = _token_block(spec)
-        if block is not None:  # one scale per token / per token block: gather with the tokens
-            scale = _gather_padded(scale.reshape(b, s_local // block, -1), 1,
-                                   [n // block for n in sizes], mesh, 0).reshape(-1, scale.shape[1])
-        casts[name] = Fp8Tensor(data.reshape(-1, f).view(spec.dtype), scale, q.meta)
-    full = Fp8GatheredWeight(casts, (b, s_local * ws, f), x_local.dtype)
+    casts = [(name, spec, _cast(rows, spec, sharding=(sharding,))[0]) for name, spec in specs]
+    group = max(_token_block(spec) or 1 for _, spec, _ in casts)  # tokens per packed row: every block divides it
+    parts = []  # per cast: its bytes, then its scales if they split the tokens (a spanning scale is TP-reduced)
+    for _, spec, q in casts:
+        parts.append(q.data.view(torch.uint8).reshape(b, s_local // group, group * f))
+        if _token_block(spec) is not None:
+            parts.append(q.scale.contiguous().view(torch.uint8).reshape(b, s_local // group, -1))
+    packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    gathered = _gather_padded(packed, 1, [s_local // group] * ws, mesh, 0)  # [B, S / group, bytes]
+    out, at = {}, 0
+    for name, spec, q in casts:
+        data = gathered[..., at:at + group * f].reshape(-1, f).view(spec.dtype)
+        at += group * f
+        scale, block = q.scale, _token_block(spec)
+        if block is not None:
+            width = group // block * scale.shape[1] * scale.element_size()
+            scale = gathered[..., at:at + width].reshape(-1).view(scale.dtype).reshape(-1, scale.shape[1])
+            at += width
+        out[name] = Fp8Tensor(data, scale, q.meta)
+    full = Fp8GatheredWeight(out, (b, s_local * ws, f), x_local.dtype)
     return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
 
 
-def _reduce_scatter_seq(grad, mesh: DeviceMesh) -> torch.Tensor:
-    """A partial-sum (or replicated) full-sequence gradient, reduce-scattered to this rank's tokens."""
-    if not isinstance(grad, DTensor):
-        grad = DTensor.from_local(grad, mesh, [Replicate()], run_check=False)
-    return grad.redistribute(mesh, [Shard(1)]).to_local()
-
-
 class _SequenceAllGather(torch.autograd.Function):
-    """Forward: the fp8 gather of the input's casts. Backward: reduce-scatter of its gradient
-    (the layer's N is sharded, so each rank holds a partial sum), as the bf16 gather's is."""
+    """Forward: the fp8 gather of a ``Shard(1)`` DTensor's casts. Backward: reduce-scatter of its
+    gradient (the layer's N is sharded, so each rank holds a partial sum), as the bf16 gather's is.
+    The mesh comes with the DTensor: compiled, an argument of this op must be a tensor or a constant."""
 
     @staticmethod
-    def forward(ctx, x_local: torch.Tensor, mesh: DeviceMesh, recipe: Recipe):
-        ctx.mesh = mesh
-        return _gather_casts(x_local, mesh, activation_casts(recipe))
+    def forward(ctx, x: DTensor, recipe: Recipe):
+        ctx.mesh = x.device_mesh
+        return _gather_casts(x.to_local(), x.device_mesh, activation_casts(recipe))
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.mesh), None, None
+        if not isinstance(grad, DTensor):
+            grad = DTensor.from_local(grad, ctx.mesh, [Replicate()], run_check=False)
+        return grad.redistribute(ctx.mesh, [Shard(1)]), None
 
 
 class _SequenceReduceScatter(torch.autograd.Function):
@@ -132,15 +138,16 @@ def sequence_all_gather(x_local: torch.Tensor, mesh: DeviceMesh, recipe: Recipe)
     """
     if x_local.ndim != 3:
         raise ValueError(f"sequence_all_gather: expected [batch, seq, features], got shape {tuple(x_local.shape)}.")
-    return _apply_eagerly(_SequenceAllGather, x_local, mesh, recipe)
+    b, s, f = x_local.shape
+    n = s * mesh.size(0)  # shape and stride given: computing them is a graph break (torch._C's global tensor info)
+    x = DTensor.from_local(x_local, mesh, [Shard(1)], run_check=False, shape=(b, n, f), stride=(n * f, f, 1))
+    return _SequenceAllGather.apply(x, recipe)
 
 
-@torch._dynamo.disable
-def _apply_eagerly(fn: type[torch.autograd.Function], *args):
-    # Under torch.compile the gathers run eagerly between two graphs (a graph break). Dynamo
-    # cannot trace an autograd.Function that builds a tensor subclass from collectives on a
-    # DeviceMesh argument; the layer on either side still compiles.
-    return fn.apply(*args)
+# One node each in a compiled graph: AOTAutograd traces the gathers (functional collectives) and
+# the casts-only DTensor they build; dynamo, tracing into them, could not build that tensor.
+torch._dynamo.allow_in_graph(_SequenceAllGather)
+torch._dynamo.allow_in_graph(_SequenceReduceScatter)
 
 
 def _require_fp8_linear(style, module, stock: str) -> None:
@@ -194,15 +201,13 @@ class Fp8RowwiseParallel(RowwiseParallel):
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         seq = _is_seq_shard(output_layouts)
-        # Under torch.compile the stock path: the fp8 casts would reach the compiled backward as
-        # a tensor-subclass tangent, which AOTAutograd cannot take unless it traced one.
-        fp8 = (seq and not torch.compiler.is_compiling() and isinstance(outputs, DTensor) and outputs.ndim == 3
+        fp8 = (seq and isinstance(outputs, DTensor) and outputs.ndim == 3
                and mod.bias is None
                and grad_output_casts(mod.recipe) and all(p.is_partial() for p in outputs.placements)
                and _fp8_gather_fits(outputs.shape[1] // device_mesh.size(0), grad_output_casts(mod.recipe)))
         if not fp8:
             return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return _apply_eagerly(_SequenceReduceScatter, outputs, mod.recipe, use_local_output)
+        return _SequenceReduceScatter.apply(outputs, mod.recipe, use_local_output)
 
 
 class PrepareFp8ModuleInput(PrepareModuleInput):

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from .._autograd import fp8_linear, unpack_state
 from .._delayed import LinearScalingState, ScalingState, refresh
-from .._gathered import gathered_casts
+from .._gathered import casts_only, gathered_casts
 from .._scaling import Recipe
 from ._weights import FP8_ALL_GATHER, FP8_WEIGHTS, check_fp8_weights_recipe, hp_weight, local_of, weight_kind, \
     weight_type, wrap_weight
@@ -287,7 +287,6 @@ class Fp8Linear(nn.Linear):
             )
         if self.recipe.delayed is None:
             return fp8_linear(x, w, self.bias, self.recipe, w_casts=w_casts, x_casts=self._x_casts(x, w))[0]
-        x_casts = gathered_casts(x)
         if not self._in_apply and not torch.compiler.is_compiling():
             if torch._C._functorch.peek_interpreter_stack() is not None:
                 raise RuntimeError(
@@ -304,20 +303,20 @@ class Fp8Linear(nn.Linear):
                 "fp8func.nn.hook_scaling_states(model) after parallelize_module and before the first compiled step.")
         state = self.passed_state()
         # packed: the state passed on stays one tensor (a compiled forward's one output, not six views)
-        y, passed = fp8_linear(x, w, self.bias, self.recipe, state=state, w_casts=w_casts, x_casts=x_casts,
+        y, passed = fp8_linear(x, w, self.bias, self.recipe, state=state, w_casts=w_casts,
                                amax_sharding=self.amax_sharding, packed=True)
         if torch.is_grad_enabled():
             self._pending = passed
         return y
 
     def _x_casts(self, x: torch.Tensor, w: torch.Tensor) -> dict | None:
-        """The input's casts made elsewhere: gathered in FP8 (sequence parallel), or made once for
-        this layer's sibling group (``SharedInputCasts``); None where the layer casts it itself."""
-        casts = gathered_casts(x)
+        """The input's casts made once for this layer's sibling group (``SharedInputCasts``); None
+        where the layer casts it itself, or where ``x`` exists only as its casts (gathered in FP8 by
+        a sequence-parallel style), which the op reads from ``x``."""
         # eager only (see SharedInputCasts); compiled code never reads the group, a per-layer object
-        if casts is None and not torch.compiler.is_compiling() and self._input_casts is not None:
-            casts = self._input_casts.get(x, self.recipe, w.requires_grad)
-        return casts
+        if casts_only(x) or torch.compiler.is_compiling() or self._input_casts is None:
+            return None
+        return self._input_casts.get(x, self.recipe, w.requires_grad)
 
     def extra_repr(self) -> str:
         fp8_weights = ", fp8_weights=True" if self.fp8_weights else ""
