@@ -158,14 +158,19 @@ def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False, sharding: tu
 
 
 def _cast_with_scale(t: torch.Tensor, scale: torch.Tensor, spec: CastSpec,
-                     sharding: tuple[Sharding, ...] = (), kernels: str = "auto") -> Fp8Tensor:
-    """``quantize_with_scale(t, scale, spec)`` (e.g. a precomputed, mesh-reduced scale), by the
-    fused cast kernel where it applies."""
-    meta = Fp8Meta(spec, t.dtype, sharding[0] if len(sharding) == 1 else None)
+                     sharding: tuple[Sharding, ...] = (), kernels: str = "auto",
+                     round_to: torch.dtype | None = None) -> Fp8Tensor:
+    """``quantize_with_scale(t.to(round_to), scale, spec)`` (e.g. a precomputed, mesh-reduced
+    scale), by the fused cast kernel where it applies; fp32 ``t`` rounded to bf16 in the kernel's
+    one read (no bf16 copy written)."""
+    if round_to is not None and t.dtype != round_to and not (
+            t.dtype == torch.float32 and round_to == torch.bfloat16 and _use_kernels(t, spec, kernels)):
+        t, round_to = t.to(round_to), None
+    meta = Fp8Meta(spec, round_to or t.dtype, sharding[0] if len(sharding) == 1 else None)
     if _use_kernels(t, spec, kernels):
         from . import kernels as kernel_ops
 
-        data, _ = kernel_ops.cast(t, scale, spec, impl=_kernel_impl(kernels))
+        data, _ = kernel_ops.cast(t, scale, spec, round_to=round_to, impl=_kernel_impl(kernels))
         return Fp8Tensor(data, scale, meta)
     return quantize_with_scale(t, scale, spec, sharding=sharding[0] if len(sharding) == 1 else None)
 

@@ -135,9 +135,13 @@ def cast(
     *,
     transpose: bool = False,
     scale_t: torch.Tensor | None = None,
+    round_to: torch.dtype | None = None,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``quantize_with_scale(x, scale, spec).data`` and, with ``transpose``, the transposed copy.
+
+    ``round_to=torch.bfloat16`` casts fp32 ``x`` as ``x.to(torch.bfloat16)`` would be cast,
+    bitwise, without writing the bf16 copy (the Triton kernel rounds each element as it reads it).
 
     The transposed copy is contiguous ``[K, M]`` and equals
     ``quantize_with_scale(x.T.contiguous(), scale_t, spec).data``; it is written from the same
@@ -164,7 +168,12 @@ def cast(
         scale_t = scale if isinstance(g, TensorWise) else scale.t()
     if scale_t is not None:
         _check_scale(scale_t, scale_shape(g, (k, m)), x, "scale_t")
-    return _backend(impl, x).cast(x, scale, spec, scale_t)
+    if round_to == x.dtype:
+        round_to = None
+    if round_to is not None and (round_to != torch.bfloat16 or x.dtype != torch.float32):
+        raise ValueError(f"cast(round_to={round_to}) on a {x.dtype} tensor: rounding applies to float32 x "
+                         "and torch.bfloat16; cast x.to(round_to) instead.")
+    return _backend(impl, x).cast(x, scale, spec, scale_t, round_to)
 
 
 def cast_amax(

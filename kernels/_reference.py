@@ -27,9 +27,12 @@ def amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
 
 
 def cast(
-    x: torch.Tensor, scale: torch.Tensor, spec: CastSpec, scale_t: torch.Tensor | None
+    x: torch.Tensor, scale: torch.Tensor, spec: CastSpec, scale_t: torch.Tensor | None, round_to=None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``x`` cast with ``scale``; with ``scale_t`` also ``x.T`` (contiguous ``[K, M]``) cast with it."""
+    """``x`` cast with ``scale``; with ``scale_t`` also ``x.T`` (contiguous ``[K, M]``) cast with it.
+    ``round_to``: ``x.to(round_to)`` is what is cast."""
+    if round_to is not None:
+        x = x.to(round_to)
     data = _quantize_with_scale(x, scale, spec).data
     if scale_t is None:
         return data, None

@@ -4,7 +4,8 @@
 ``x.T``'s cast from the same tile; with ``FROM_AMAX`` it turns given amaxes into the scales
 (the second pass of the tensorwise and row-wise-with-transpose quantize); with ``AMAX_OUT`` it
 also stores its tile's ``max |x|`` (delayed scaling: the cast and the next step's amax from one
-read of ``x``).
+read of ``x``); with ``ROUND_BF16`` it casts fp32 ``x`` rounded to bf16 first (FSDP2's hook: an
+fp32 master shard cast as its bf16 copy would be, without writing the copy).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
                  FROM_AMAX: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
                  POW2: tl.constexpr, TRANSPOSE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                  NPART: tl.constexpr = 0, NPART_P2: tl.constexpr = 1, amax_ptr=0,
-                 AMAX_OUT: tl.constexpr = False, RAW_T: tl.constexpr = False):
+                 AMAX_OUT: tl.constexpr = False, RAW_T: tl.constexpr = False, ROUND_BF16: tl.constexpr = False):
     # data[m, k] uses sa[(m // A_M) * sa0 + (k // A_K) * sa1], one value per tile row (the
     # launcher keeps a tile inside one K group); data_t[k, m] uses sb[(k // B_K) * sb0 +
     # (m // B_M) * sb1], one value per tile column. Whole-dimension groups have stride 0.
@@ -45,6 +46,8 @@ def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
     x_raw = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    if ROUND_BF16:  # round to nearest even, as torch's .to(torch.bfloat16)
+        x_raw = x_raw.to(tl.bfloat16, fp_downcast_rounding="rtne")
     x = x_raw.to(tl.float32)
     if AMAX_OUT:
         out = amax_ptr.to(tl.pointer_type(tl.int32))
@@ -92,12 +95,13 @@ def _group_strides(scale: torch.Tensor, g0: int, g1: int) -> tuple[int, int, int
 def launch_cast(x: torch.Tensor, data: torch.Tensor, sa: torch.Tensor, data_t: torch.Tensor | None,
                 sb: torch.Tensor | None, groups: tuple[int, int], pow2: bool, cfg: Config,
                 sa_out: torch.Tensor | None = None, sb_out: torch.Tensor | None = None, partials: int = 0,
-                amax_out: torch.Tensor | None = None) -> None:
+                amax_out: torch.Tensor | None = None, round_bf16: bool = False) -> None:
     """Cast ``x`` with scales ``sa`` (and ``x.T`` with ``sb``); from amax if ``sa_out`` is given.
 
     ``groups``: the spec's group lengths along (M, K), 0 for a whole dimension. ``partials``
     (tensorwise, from amax): ``sa`` holds that many partial maxima of ``launch_amax_flat(partial=True)``.
     ``amax_out`` (``cast_partials`` int32 slots): each program's max ``|x|`` as int32 bits.
+    ``round_bf16``: fp32 ``x`` is rounded to bf16 before the cast.
     """
     m, k = x.shape
     if not x.numel():
@@ -118,7 +122,7 @@ def launch_cast(x: torch.Tensor, data: torch.Tensor, sa: torch.Tensor, data_t: t
         **consts(data.dtype, pow2), TRANSPOSE=transpose, BM=cfg.bm, BK=cfg.bk,
         NPART=partials, NPART_P2=triton.next_power_of_2(max(partials, 1)),
         amax_ptr=sa if amax_out is None else amax_out, AMAX_OUT=amax_out is not None,
-        RAW_T=cfg.raw_t and transpose, num_warps=cfg.warps, num_stages=cfg.stages)
+        RAW_T=cfg.raw_t and transpose, ROUND_BF16=round_bf16, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def cast_partials(x: torch.Tensor, cfg: Config) -> int:

@@ -3,7 +3,9 @@
 Imported lazily by the dispatcher, only where Triton is installed. Each entry point below has
 the signature of its twin in ``_reference`` and returns the same bits. Each is a
 ``torch.library.triton_op`` (kernels launched through ``wrap_triton``), so ``torch.compile``
-traces into it. The kernels, by family: ``_triton_amax`` (tensorwise and per row / column
+traces into it. Eagerly, on plain tensors with no mode, transform or autograd in play, the entry
+points call the op's function directly: the same launch, without the custom-op dispatch (about
+a third of the host time of an eager cast, which FSDP2's pre-all-gather hooks pay per weight). The kernels, by family: ``_triton_amax`` (tensorwise and per row / column
 amax), ``_triton_cast`` (cast with given or amax-made scales, optional transposed copy and
 amax), ``_triton_block`` (one-pass quantize where a group fits one program: rows, 1x128 and
 128x128 blocks, with the transposed copy for the blocks); the scalar math they share is in
@@ -13,6 +15,7 @@ amax), ``_triton_block`` (one-pass quantize where a group fits one program: rows
 from __future__ import annotations
 
 import torch
+from torch._library import triton as _library_triton
 from torch.library import triton_op
 
 from fp8func._scaling import AxisWise, CastSpec, Granularity, TensorWise, compute_scale
@@ -34,8 +37,7 @@ def _groups(g: Granularity) -> tuple[int, int]:
     return g.block[0], g.block[1]
 
 
-@triton_op("fp8func::kernels_amax", mutates_args=())
-def _amax_op(x: torch.Tensor, gm: int, gk: int) -> torch.Tensor:
+def _amax_op_fn(x: torch.Tensor, gm: int, gk: int) -> torch.Tensor:
     m, k = x.shape
     out = torch.zeros((m if gm else 1, k if gk else 1), device=x.device, dtype=torch.float32)
     if not gm and not gk:
@@ -45,19 +47,18 @@ def _amax_op(x: torch.Tensor, gm: int, gk: int) -> torch.Tensor:
     return out
 
 
-@triton_op("fp8func::kernels_cast", mutates_args=())
-def _cast_op(x: torch.Tensor, scale: torch.Tensor, scale_t: torch.Tensor | None, dtype: torch.dtype,
-             gm: int, gk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _cast_op_fn(x: torch.Tensor, scale: torch.Tensor, scale_t: torch.Tensor | None, dtype: torch.dtype,
+                gm: int, gk: int, round_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     data = torch.empty((m, k), device=x.device, dtype=dtype)
     data_t = torch.empty((k, m) if scale_t is not None else (0, 0), device=x.device, dtype=dtype)
     route = ("cast_block" if gk else "cast") + ("_t" if scale_t is not None else "")
-    launch_cast(x, data, scale, data_t if scale_t is not None else None, scale_t, (gm, gk), False, config(route))
+    launch_cast(x, data, scale, data_t if scale_t is not None else None, scale_t, (gm, gk), False, config(route),
+                round_bf16=round_bf16)
     return data, data_t
 
 
-@triton_op("fp8func::kernels_cast_amax", mutates_args=())
-def _cast_amax_op(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+def _cast_amax_op_fn(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                   transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Tensorwise: one pass writes the cast (and its transpose) and one max |x| per program; the
     # maximum of those int32 bit patterns is the amax (exact, NaN canonical, as _reference.amax).
@@ -96,8 +97,7 @@ def _quantize_rowwise_2pass(x, data, scale, dt, st, pow2: bool) -> None:
                 sa_out=scale, sb_out=st)
 
 
-@triton_op("fp8func::kernels_quantize", mutates_args=())
-def _quantize_op(x: torch.Tensor, dtype: torch.dtype, pow2: bool, gm: int, gk: int,
+def _quantize_op_fn(x: torch.Tensor, dtype: torch.dtype, pow2: bool, gm: int, gk: int,
                  transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, k = x.shape
     dev = x.device
@@ -127,16 +127,41 @@ def _quantize_op(x: torch.Tensor, dtype: torch.dtype, pow2: bool, gm: int, gk: i
     return data, scale, data_t, scale_t
 
 
+_amax_op = triton_op("fp8func::kernels_amax", mutates_args=())(_amax_op_fn)
+_cast_op = triton_op("fp8func::kernels_cast", mutates_args=())(_cast_op_fn)
+_cast_amax_op = triton_op("fp8func::kernels_cast_amax", mutates_args=())(_cast_amax_op_fn)
+_quantize_op = triton_op("fp8func::kernels_quantize", mutates_args=())(_quantize_op_fn)
+
+
+_plain_launches = getattr(_library_triton, "set_wrap_triton_enabled", None)  # as triton_op's eager kernel runs
+
+
+def _call(op, fn, x: torch.Tensor, *args):
+    """``op(x, *args)``; its function ``fn`` itself where nothing needs the dispatcher: eager
+    (not traced), no dispatch mode or torch.func transform active, ``x`` a plain tensor that
+    needs no autograd (the ops have no autograd formula: their outputs never require grad).
+    ``fn`` then launches the kernels as the op's eager kernel does (``wrap_triton`` off)."""
+    if (_plain_launches is not None and type(x) is torch.Tensor and not torch.compiler.is_compiling()
+            and not (x.requires_grad and torch.is_grad_enabled())
+            and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._functorch.peek_interpreter_stack() is None):
+        with _plain_launches(False):
+            return fn(x, *args)
+    return op(x, *args)
+
+
 def amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
     """Per-group ``max(|x|)`` in fp32, shaped like the scale (TensorWise or AxisWise); NaN is 0x7FC00000."""
-    return _amax_op(x, *_groups(granularity))
+    return _call(_amax_op, _amax_op_fn, x, *_groups(granularity))
 
 
 def cast(
-    x: torch.Tensor, scale: torch.Tensor, spec: CastSpec, scale_t: torch.Tensor | None
+    x: torch.Tensor, scale: torch.Tensor, spec: CastSpec, scale_t: torch.Tensor | None, round_to=None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``x`` cast with ``scale``; with ``scale_t`` also ``x.T`` (contiguous ``[K, M]``) cast with it."""
-    data, data_t = _cast_op(x, scale, scale_t, spec.dtype, *_groups(spec.granularity))
+    """``x`` cast with ``scale``; with ``scale_t`` also ``x.T`` (contiguous ``[K, M]``) cast with it.
+    ``round_to=torch.bfloat16``: fp32 ``x`` rounded to bf16 first, in the same pass."""
+    data, data_t = _call(_cast_op, _cast_op_fn, x, scale, scale_t, spec.dtype, *_groups(spec.granularity),
+                         round_to is not None)
     return data, (data_t if scale_t is not None else None)
 
 
@@ -144,7 +169,7 @@ def cast_amax(
     x: torch.Tensor, scale: torch.Tensor, spec: CastSpec, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Tensorwise ``cast(x, scale, spec, scale if transpose else None)`` and ``amax(x)`` ``(1, 1)``, one read."""
-    data, data_t, amax = _cast_amax_op(x, scale, spec.dtype, transpose)
+    data, data_t, amax = _call(_cast_amax_op, _cast_amax_op_fn, x, scale, spec.dtype, transpose)
     return data, (data_t if transpose else None), amax
 
 
@@ -152,6 +177,6 @@ def quantize(
     x: torch.Tensor, spec: CastSpec, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(data, scale, data_t, scale_t)`` of ``quantize(x)`` and, if asked, ``quantize(x.T.contiguous())``."""
-    data, scale, data_t, scale_t = _quantize_op(x, spec.dtype, spec.pow2_scales, *_groups(spec.granularity),
-                                                transpose)
+    data, scale, data_t, scale_t = _call(_quantize_op, _quantize_op_fn, x, spec.dtype, spec.pow2_scales,
+                                         *_groups(spec.granularity), transpose)
     return (data, scale, data_t, scale_t) if transpose else (data, scale, None, None)

@@ -336,3 +336,29 @@ def test_shared_delayed_scaling_state_compiles_and_matches_eager():
         assert all(torch.equal(u, v) for u, v in zip(states, c_states))
         for u, v in [*zip(losses, c_losses), *zip(grads, c_grads)]:
             torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-6)
+
+
+def _special_shards(device) -> list[torch.Tensor]:
+    """fp32 master shards: random, bf16 rounding ties and near-ties, subnormals, NaN, +-inf,
+    above bf16's max, empty."""
+    g = torch.Generator().manual_seed(0)
+    tie = 1 + 2.0 ** -8  # exactly between two bf16 values: rounds to even
+    shards = [torch.randn(1000, generator=g) * 3, torch.tensor([tie, -tie * 1.5, 1 + 2.0 ** -9]),
+              torch.tensor([1e-40, -3e-39]), torch.tensor([1.0, float("nan"), 2.0]),
+              torch.tensor([-float("inf"), 0.0]), torch.tensor([3.4e38, -1.0]), torch.empty(0),
+              torch.zeros(7), (torch.randn(64, 64, generator=g) * 1e4).half()]
+    return [t.to(device) for t in shards]
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_precompute_amaxes_are_bitwise_the_hooks(param_dtype):
+    """precompute_scales' multi-tensor amax of the masters equals the amax of each shard cast to
+    the param dtype (what the pre-all-gather hook casts), bitwise, NaN and inf included."""
+    from fp8func.distributed._fsdp import shard_amaxes, shard_amaxes_reference
+
+    shards = _special_shards("cpu")
+    dtypes = [param_dtype] * len(shards)
+    fast, slow = shard_amaxes(shards, dtypes), shard_amaxes_reference(shards, dtypes)
+    assert torch.equal(fast.view(torch.int32), slow.view(torch.int32)), (fast, slow)
+    mixed = [param_dtype, torch.float32] * (len(shards) // 2) + [param_dtype] * (len(shards) % 2)
+    assert torch.equal(shard_amaxes(shards, mixed).view(torch.int32), shard_amaxes_reference(shards, mixed).view(torch.int32))

@@ -304,3 +304,74 @@ def test_delayed_linear_under_cuda_graphs():
     for a, b in zip(_six_steps("delayed", "default"), _six_steps("delayed", "reduce-overhead")):
         for t, u in zip(a, b):
             assert torch.equal(t, u)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
+def test_sequence_parallel_styles_compile_whole_on_gpu(recipe):
+    """The fp8func sequence-parallel styles on a one-rank NCCL TP mesh, a block compiled with
+    fullgraph=True: the Triton casts and the functional gathers run inside the graph, and every
+    output and gradient is bitwise the compiled stock styles'. The styles sit on a submodule, as
+    in a decoder layer (the compiled module's own hooks are a separate graph in torch 2.11)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   parallelize_module)
+
+    from fp8func.distributed import Fp8ColwiseParallel, Fp8RowwiseParallel, PrepareFp8ModuleInput
+
+    class QKV(nn.Module):
+        def __init__(self, dim=512):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+        def forward(self, x):
+            return self.o(self.q(x) * torch.sigmoid(self.k(x)) + self.v(x))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = QKV()
+
+        def forward(self, x):
+            return x + self.attn(x)
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        torch.manual_seed(0)
+        base = Block().cuda().bfloat16()
+        x = torch.randn(2, 512, 512, device="cuda").bfloat16()
+        dy = torch.randn(2, 512, 512, device="cuda").bfloat16()
+        runs = []
+        for prep, col, row in ((PrepareFp8ModuleInput, Fp8ColwiseParallel, Fp8RowwiseParallel),
+                               (PrepareModuleInput, ColwiseParallel, RowwiseParallel)):
+            torch._dynamo.reset()
+            model = f8.convert(copy.deepcopy(base), recipe, fsdp_fp8_all_gather=False)
+            parallelize_module(model, mesh, {"attn": prep(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+                                             "attn.q": col(), "attn.k": col(), "attn.v": col(),
+                                             "attn.o": row(output_layouts=Shard(1))})
+            fn = torch.compile(model, fullgraph=True)
+            xx = x.clone().requires_grad_()
+            y = fn(xx)
+            y.backward(dy)
+            runs.append([y.detach().clone(), xx.grad, *(p.grad.full_tensor() for p in model.parameters())])
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_precompute_amaxes_on_gpu_are_bitwise_the_hooks(param_dtype):
+    """The multi-tensor amax of precompute_scales on CUDA (NaN, inf, ties, subnormals, empty):
+    bitwise the amax of each shard cast to the param dtype."""
+    from fp8func.distributed._fsdp import shard_amaxes, shard_amaxes_reference
+
+    from .test_fsdp import _special_shards
+
+    shards = _special_shards("cuda")
+    dtypes = [param_dtype] * len(shards)
+    fast, slow = shard_amaxes(shards, dtypes), shard_amaxes_reference(shards, dtypes)
+    assert torch.equal(fast.view(torch.int32), slow.view(torch.int32)), (fast, slow)

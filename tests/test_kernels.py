@@ -117,6 +117,22 @@ def test_cast_twin_matches_oracle(case, shift):
         assert_bitwise(data_t, oracle(x.t().contiguous(), spec, scale_t)[0], "data_t")
 
 
+def test_cast_round_to_is_the_cast_of_the_rounded_tensor():
+    """round_to=bf16 (FSDP2's hook on an fp32 master): the cast of x.to(bf16), bitwise; other
+    combinations raise, naming the fix."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 96, generator=g) * 3
+    x[0, :4] = torch.tensor([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -9, float("nan"), float("inf")])  # ties, specials
+    spec = f8.CastSpec()
+    scale = torch.full((1, 1), 1 / 64)
+    got = fk.cast(x, scale, spec, transpose=True, round_to=torch.bfloat16)
+    want = fk.cast(x.to(torch.bfloat16), scale, spec, transpose=True)
+    assert_bitwise(got[0], want[0], "data")
+    assert_bitwise(got[1], want[1], "data_t")
+    with pytest.raises(ValueError, match="rounding applies to float32 x and torch.bfloat16"):
+        fk.cast(x.bfloat16(), scale, spec, round_to=torch.float16)
+
+
 @given(x=tensors(st.tuples(st.integers(1, 70), st.integers(1, 70)), specials=True), dtype=st.sampled_from(FP8),
        shift=st.integers(-3, 8), transpose=st.booleans())
 def test_cast_amax_twin_matches_oracle(x, dtype, shift, transpose):
@@ -394,6 +410,24 @@ def test_triton_cast_bitwise_twin(g, combo, scales):
             s_t = pick[torch.arange(s_t.numel(), device="cuda") % 5].reshape(s_t.shape) if transpose else None
         got = fk.cast(x, s, spec, transpose=transpose, scale_t=s_t, impl="triton")
         want = fk.cast(x, s, spec, transpose=transpose, scale_t=s_t, impl="reference")
+        assert_bitwise(got[0], want[0], f"{shape} data")
+        if transpose:
+            assert_bitwise(got[1], want[1], f"{shape} data_t")
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("transpose", [False, True])
+def test_triton_cast_round_to_bf16_bitwise_twin(transpose):
+    """The kernel's in-register fp32 -> bf16 rounding (FSDP2's hook on fp32 masters): bitwise
+    the twin, which casts x.to(bf16), for every shape family and the special values."""
+    spec = f8.CastSpec()
+    for i, shape in enumerate(SHAPES["tw"]):
+        x = _gpu_input(shape, torch.float32, "specials" if i % 2 else "randn", i)
+        x.view(-1)[::7] = x.view(-1)[::7].bfloat16().float() * (1 + 2.0 ** -8)  # bf16 rounding ties
+        scale = torch.full((1, 1), 2.0 ** (i - 3), device="cuda")  # some shapes saturate
+        got = fk.cast(x, scale, spec, transpose=transpose, round_to=torch.bfloat16, impl="triton")
+        want = fk.cast(x, scale, spec, transpose=transpose, round_to=torch.bfloat16, impl="reference")
         assert_bitwise(got[0], want[0], f"{shape} data")
         if transpose:
             assert_bitwise(got[1], want[1], f"{shape} data_t")

@@ -276,28 +276,32 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         # Exactly the cast FSDP2's default path applies before its all-gather.
         param_dtype = mp_policy.param_dtype or self._tensor.dtype
         self._param_dtype = param_dtype
-        shard = self._tensor.to(param_dtype)
         # FSDP2 splits the rows over its mesh; under 2D (FSDP x TP) the tensor it shards is itself
         # a TP shard, whose amax must be reduced over the TP mesh as well.
         sharding = self._hook_sharding(mesh)
         slots = self._slots(module, [name for name, _ in casts])
-        inputs, entries = [], []
+        inputs, entries, shard = [], [], []  # shard: the tensor in the param dtype, made when first needed
         for name, spec in casts:
-            q = self._cast_shard(name, shard, spec, sharding, data=name in slots)
+            q = self._cast_shard(name, shard, param_dtype, spec, sharding, data=name in slots)
             add_all_gather_input(inputs, entries, name, q, slots, sizes, mesh, param_dtype)
         entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
         notify_all_gather(self, module, inputs, mp_policy)
         return tuple(inputs), (entries, tuple(slots), n)
 
-    def _cast_shard(self, name, shard, spec, sharding, *, data: bool) -> "Fp8Tensor | _ScaleOnly":
-        """Cast ``name`` of this shard (``data``: its payload travels now; else only its scale is
-        needed), with the kept scale while the weight is unchanged since it was made."""
+    def _cast_shard(self, name, made: list, param_dtype, spec, sharding, *, data: bool) -> "Fp8Tensor | _ScaleOnly":
+        """Cast ``name`` of this shard in ``param_dtype`` (``data``: its payload travels now; else
+        only its scale is needed), with the kept scale while the weight is unchanged since it was
+        made: then the cast kernel reads the fp32 master and rounds it as ``.to(param_dtype)``
+        would, bitwise, without writing that copy. ``made``: the shard in ``param_dtype``, once made."""
         version = self.weight_version()
         kept = self._scales.get(name)
         if kept is not None and kept[0] == version:
             if data:
-                return _cast_with_scale(shard, kept[1], spec, sharding)
-            return _ScaleOnly(shard, kept[1], spec)
+                return _cast_with_scale(self._tensor, kept[1], spec, sharding, round_to=param_dtype)
+            return _ScaleOnly(self._tensor, kept[1], spec)
+        if not made:
+            made.append(self._tensor.to(param_dtype))
+        shard = made[0]
         if data:  # the fused kernels on CUDA (this hook runs eagerly, outside compiled regions)
             q = _cast(shard, spec, sharding=sharding)[0]
         else:  # the payload travels in the other pass
@@ -462,12 +466,50 @@ def precompute_scales(model: torch.nn.Module) -> int:
         groups.setdefault(p.device_mesh, []).append(local)
     covered = 0
     for mesh, weights in groups.items():
-        # The amax of exactly what fsdp_pre_all_gather casts: the shard in the param dtype.
-        amax = torch.stack([w._tensor.to(w._param_dtype).abs().amax().float() if w._tensor.numel()
-                            else w._tensor.new_zeros((), dtype=torch.float32) for w in weights])
+        amax = shard_amaxes([w._tensor for w in weights], [w._param_dtype for w in weights])
         amax = reduce_amax(amax, mesh, tuple(range(mesh.ndim)))
-        for w, a in zip(weights, amax):
-            scale = compute_scale(a.reshape(1, 1), w._recipe.weight.dtype, w._recipe.weight.pow2_scales)
-            w._scales[weight_casts(w._recipe)[0][0]] = (w.weight_version(), scale)
+        kinds: dict = {}  # one scale computation per (fp8 dtype, power of 2) over all its weights
+        for i, w in enumerate(weights):
+            kinds.setdefault((w._recipe.weight.dtype, w._recipe.weight.pow2_scales), []).append(i)
+        for (dtype, pow2), rows in kinds.items():
+            # slices, not an index list (whose copy to the device would wait for the GPU)
+            picked = amax if len(kinds) == 1 else torch.stack([amax[i] for i in rows])
+            scales = compute_scale(picked.reshape(-1, 1, 1), dtype, pow2)
+            for i, scale in zip(rows, scales):
+                w = weights[i]
+                w._scales[weight_casts(w._recipe)[0][0]] = (w.weight_version(), scale)
         covered += len(weights)
     return covered
+
+
+def shard_amaxes(shards: list[torch.Tensor], dtypes: list[torch.dtype]) -> torch.Tensor:
+    """``max |shard.to(dtype)|`` of each shard (0 for an empty one), float32 ``[n]``: the amax of
+    exactly what ``fsdp_pre_all_gather`` casts.
+
+    From one multi-tensor pass over the shards as they are (``_foreach_norm`` with ``ord=inf``):
+    rounding to ``dtype`` is monotone and symmetric, so the largest magnitude,
+    rounded, is the largest of the rounded magnitudes, bitwise; inf comes through, NaN as the
+    canonical NaN (0x7FC00000, as the amax kernels give it). ``shard_amaxes_reference`` is its
+    slow twin.
+    """
+    out = [None] * len(shards)
+    full = [i for i, t in enumerate(shards) if t.numel()]
+    norms = torch._foreach_norm([shards[i] for i in full], math.inf) if full else []
+    for i, n in zip(full, norms):
+        out[i] = n.float()  # exact: a shard's own dtype widens to float32
+    for i, t in enumerate(shards):
+        if out[i] is None:
+            out[i] = t.new_zeros((), dtype=torch.float32)
+    if len(set(dtypes)) == 1:
+        return _canonical_nan(torch.stack(out).to(dtypes[0]).float())
+    return _canonical_nan(torch.stack([a.to(d).float() for a, d in zip(out, dtypes)]))
+
+
+def shard_amaxes_reference(shards: list[torch.Tensor], dtypes: list[torch.dtype]) -> torch.Tensor:
+    """``shard_amaxes``, one shard at a time: cast, abs, amax."""
+    return _canonical_nan(torch.stack([t.to(d).abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+                                       for t, d in zip(shards, dtypes)]))
+
+
+def _canonical_nan(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
