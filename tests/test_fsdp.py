@@ -188,9 +188,10 @@ def test_precompute_scales_keeps_the_contract():
     off = run_workers(_train, 2, "tensorwise", False, 6, True, "fp32-master")
     assert on[0]["losses"] == off[0]["losses"]
     assert on[0]["covered"] == [15] * 6  # every converted layer: 2 decoder layers x 7, and lm_head
-    # After each of the first 5 steps, every forward and backward gather used the precomputed scale;
-    # step 0's backward gathers reuse its forward's scales (counted too); only step 0's forward computed.
-    assert on[0]["precomputed_used"] == 5 * 15 * 2 + 15
+    # Casts with a known scale: precompute_scales casts every weight once per call (6 x 15), and the
+    # gathers after it cast nothing (they send its payload); step 0's backward gathers cast with the
+    # scales of step 0's forward (15), the only gathers that computed a scale (15).
+    assert on[0]["precomputed_used"] == 6 * 15 + 15
     assert on[0]["fresh_scales"] == 15
 
 

@@ -194,8 +194,9 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         # Each cast's scale by cast name, with the weight_version() it was made at: by the last
         # all-gather (the backward's all-gather under reshard_after_forward casts the unchanged
         # weight again and reuses it: no second amax and amax all-reduce per weight and step), or
-        # by precompute_scales. Used only while the version is unchanged.
-        self._scales: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+        # by precompute_scales, which also keeps the cast payload (the fp8 shard) it made with it.
+        # Used only while the version is unchanged.
+        self._scales: dict[str, tuple] = {}
         self._fsdp_group: list = [None, None]  # weakrefs to FSDP2's (param group, FSDPParam): compat's cache
         self._n_slots: int | None = None
 
@@ -296,6 +297,8 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         version = self.weight_version()
         kept = self._scales.get(name)
         if kept is not None and kept[0] == version:
+            if data and len(kept) == 3:  # precompute_scales' payload: no launch here
+                return Fp8Tensor(kept[2], kept[1], Fp8Meta(spec, param_dtype, sharding[0] if len(sharding) == 1 else None))
             if data:
                 return _cast_with_scale(self._tensor, kept[1], spec, sharding, round_to=param_dtype)
             return _ScaleOnly(self._tensor, kept[1], spec)
@@ -446,12 +449,17 @@ def _warn_once(msg: str) -> None:
 
 @torch.no_grad()
 def precompute_scales(model: torch.nn.Module) -> int:
-    """Computes every tensorwise FSDP2 fp8 weight scale with one all-reduce (call after ``optimizer.step()``).
+    """Computes every tensorwise FSDP2 fp8 weight scale with one all-reduce (call after ``optimizer.step()``),
+    and casts each weight's shard with it.
 
     Same numbers as the per-weight reduction in ``fsdp_pre_all_gather`` (MAX is exact), in one
-    collective instead of one per weight. A precomputed scale is used only while the weight is
-    unchanged since (its version counter says so); a stale one is never used. Returns the number
-    of weights it covered.
+    collective instead of one per weight. The fp8 shard is kept for the step's all-gathers (the
+    forward's and, under ``reshard_after_forward``, the backward's): their hooks launch nothing,
+    and the cast runs here, after the optimizer, where the host is ahead of the GPU, instead of
+    inside FSDP2's unshard, where the GPU waits for it. It costs one byte per parameter of the
+    shard, held from here to the next step's update. A precomputed scale and payload are used
+    only while the weight is unchanged since (its version counter says so); a stale one is never
+    used. Returns the number of weights it covered.
     """
     groups: dict = {}
     for p in model.parameters():
@@ -477,7 +485,9 @@ def precompute_scales(model: torch.nn.Module) -> int:
             scales = compute_scale(picked.reshape(-1, 1, 1), dtype, pow2)
             for i, scale in zip(rows, scales):
                 w = weights[i]
-                w._scales[weight_casts(w._recipe)[0][0]] = (w.weight_version(), scale)
+                spec = w._recipe.weight
+                data = _cast_with_scale(w._tensor, scale, spec, round_to=w._param_dtype).data
+                w._scales[weight_casts(w._recipe)[0][0]] = (w.weight_version(), scale, data)
         covered += len(weights)
     return covered
 
