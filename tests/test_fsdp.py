@@ -363,3 +363,35 @@ def test_precompute_amaxes_are_bitwise_the_hooks(param_dtype):
     assert torch.equal(fast.view(torch.int32), slow.view(torch.int32)), (fast, slow)
     mixed = [param_dtype, torch.float32] * (len(shards) // 2) + [param_dtype] * (len(shards) % 2)
     assert torch.equal(shard_amaxes(shards, mixed).view(torch.int32), shard_amaxes_reference(shards, mixed).view(torch.int32))
+
+
+def _kept_after_precompute(rank, world_size):
+    from fp8func.distributed._fsdp import Fp8AllGatherWeight, local_tensor
+
+    model, opt = _model_and_opt(world_size)
+    ids, labels = batch(0, rank)
+    model(input_ids=ids, labels=labels).loss.backward()
+    opt.step()
+    f8.precompute_scales(model)
+    kept = [v for p in model.parameters() if isinstance(local_tensor(p), Fp8AllGatherWeight)
+            for v in local_tensor(p)._scales.values()]
+    return [(v[1].data_ptr() % 16, tuple(v[1].shape), v[2].dtype, tuple(v[2].shape)) for v in kept]
+
+
+def _model_and_opt(world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = f8.convert(tiny_qwen3(layers=1), "tensorwise")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_precomputed_scales_are_aligned_and_keep_the_fp8_shard():
+    """Every precomputed scale starts on a 16-byte boundary (cuBLASLt rejects a scale pointer
+    that does not: CUBLAS_STATUS_NOT_SUPPORTED), and its fp8 shard is kept for the all-gathers."""
+    [kept] = run_workers(_kept_after_precompute, 1)
+    assert len(kept) == 8, kept  # 7 layer weights and lm_head
+    for misalign, scale_shape, dtype, shape in kept:
+        assert misalign == 0 and scale_shape == (1, 1) and dtype == f8.E4M3 and len(shape) == 2, kept

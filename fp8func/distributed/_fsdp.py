@@ -482,7 +482,9 @@ def precompute_scales(model: torch.nn.Module) -> int:
         for (dtype, pow2), rows in kinds.items():
             # slices, not an index list (whose copy to the device would wait for the GPU)
             picked = amax if len(kinds) == 1 else torch.stack([amax[i] for i in rows])
-            scales = compute_scale(picked.reshape(-1, 1, 1), dtype, pow2)
+            # one row of 4 per scale: each scale 16-byte aligned, as cuBLASLt wants its scale pointers
+            scales = compute_scale(picked.reshape(-1, 1).expand(-1, 4).contiguous(), dtype, pow2)
+            scales = [row[:1].reshape(1, 1) for row in scales]
             for i, scale in zip(rows, scales):
                 w = weights[i]
                 spec = w._recipe.weight
