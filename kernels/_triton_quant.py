@@ -5,10 +5,11 @@ the signature of its twin in ``_reference`` and returns the same bits. Each is a
 ``torch.library.triton_op`` (kernels launched through ``wrap_triton``), so ``torch.compile``
 traces into it. Eagerly, on plain tensors with no mode, transform or autograd in play, the entry
 points call the op's function directly: the same launch, without the custom-op dispatch (about
-a third of the host time of an eager cast, which FSDP2's pre-all-gather hooks pay per weight). The kernels, by family: ``_triton_amax`` (tensorwise and per row / column
-amax), ``_triton_cast`` (cast with given or amax-made scales, optional transposed copy and
-amax), ``_triton_block`` (one-pass quantize where a group fits one program: rows, 1x128 and
-128x128 blocks, with the transposed copy for the blocks); the scalar math they share is in
+a third of the host time of an eager cast, which FSDP2's pre-all-gather hooks pay per weight).
+The kernels, by family: ``_triton_amax`` (tensorwise and per row / column amax),
+``_triton_cast`` (cast with given or amax-made scales, optional transposed copy and amax),
+``_triton_block`` (one-pass quantize where a group fits one program: rows, 1x128 and 128x128
+blocks, with the transposed copy for the blocks); the scalar math they share is in
 ``_triton_device``, their launch configurations in ``_configs``.
 """
 
@@ -59,7 +60,7 @@ def _cast_op_fn(x: torch.Tensor, scale: torch.Tensor, scale_t: torch.Tensor | No
 
 
 def _cast_amax_op_fn(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                  transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Tensorwise: one pass writes the cast (and its transpose) and one max |x| per program; the
     # maximum of those int32 bit patterns is the amax (exact, NaN canonical, as _reference.amax).
     m, k = x.shape
@@ -98,7 +99,7 @@ def _quantize_rowwise_2pass(x, data, scale, dt, st, pow2: bool) -> None:
 
 
 def _quantize_op_fn(x: torch.Tensor, dtype: torch.dtype, pow2: bool, gm: int, gk: int,
-                 transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, k = x.shape
     dev = x.device
     data = torch.empty((m, k), device=dev, dtype=dtype)

@@ -504,14 +504,10 @@ def shard_amaxes(shards: list[torch.Tensor], dtypes: list[torch.dtype]) -> torch
     canonical NaN (0x7FC00000, as the amax kernels give it). ``shard_amaxes_reference`` is its
     slow twin.
     """
-    out = [None] * len(shards)
-    full = [i for i, t in enumerate(shards) if t.numel()]
-    norms = torch._foreach_norm([shards[i] for i in full], math.inf) if full else []
-    for i, n in zip(full, norms):
-        out[i] = n.float()  # exact: a shard's own dtype widens to float32
-    for i, t in enumerate(shards):
-        if out[i] is None:
-            out[i] = t.new_zeros((), dtype=torch.float32)
+    full = [t for t in shards if t.numel()]  # the inf norm of an empty tensor raises: 0 for those
+    norms = iter(torch._foreach_norm(full, math.inf) if full else ())
+    # .float() is exact: a shard's own dtype widens to float32
+    out = [next(norms).float() if t.numel() else t.new_zeros((), dtype=torch.float32) for t in shards]
     if len(set(dtypes)) == 1:
         return _canonical_nan(torch.stack(out).to(dtypes[0]).float())
     return _canonical_nan(torch.stack([a.to(d).float() for a, d in zip(out, dtypes)]))
