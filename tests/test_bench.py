@@ -131,6 +131,9 @@ def test_fsdp_bench_against_torchao(tmp_path):
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "attention"),
     ("_cast_kernel", "fp8func casts"), ("_amax_flat_kernel", "fp8func casts"), ("_quant_t_kernel", "fp8func casts"),
     ("triton_red_fused__to_copy_abs_amax_0", "inductor/triton fused"),
+    ("triton_poi_fused__scaled_mm__to_copy_clamp_mul_reciprocal_silu_t_view_16", "inductor/triton fused"),
+    ("triton_red_fused__scaled_mm__to_copy_abs_add_clamp_max_mul_reciprocal_sum_t_view_5", "inductor/triton fused"),
+    ("triton_tem_fused__scaled_mm_0", "GEMM fp8"), ("triton_tem_fused_mm_1", "GEMM bf16"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
     ("void at::native::elementwise_kernel<128, 2>", "other"),
 ])

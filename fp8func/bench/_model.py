@@ -13,7 +13,8 @@ one process: tokens/s from the median of ``--iters`` synchronized steps after fi
 steps and ``--warmup`` more; speedups over bf16 and over torchao's same recipe; compile time
 (the first step, and the four after it, whose recompilations show there); peak GPU memory; the
 loss at the last step next to bf16's; the linear layers each configuration put in FP8.
-``--profile``: the GPU time of a step by kernel class (``torch.profiler``). The lm_head stays
+``--profile``: the GPU time of a step by kernel class (``torch.profiler``; the JSON also lists
+the largest kernels by name with their class). The lm_head stays
 bf16 unless ``--fp8-lm-head``. The batches are tokens drawn from a Zipf law over the first 8192
 ids, so that the loss falls within a few steps.
 """
@@ -56,6 +57,7 @@ CONFIGS = {
     "auto": ("fp8func", "tensorwise", "auto"),
 }
 COMPILE_STEPS = 5  # the first step compiles; the four after it show any recompilation
+TOP_KERNELS = 40  # kernels listed by name in the JSON of a --profile run
 KERNEL_CLASSES = ("GEMM bf16", "GEMM fp8", "attention", "fp8func casts", "inductor/triton fused", "optimizer", "other")
 
 
@@ -170,22 +172,26 @@ def kernel_class(name: str) -> str:
     n = name.lower()
     if re.match(r"_(amax|cast|quant)\w*_kernel", n):  # fp8func's Triton casts (kernels/)
         return "fp8func casts"
+    if n.startswith("triton_") and not n.startswith("triton_tem_"):
+        # inductor's fused kernels (norms, rope, SiLU, torchao's casts), named after the ATen ops
+        # their code comes from, which include the GEMM whose operand they prepare: names such as
+        # triton_poi_fused__scaled_mm__to_copy_clamp_... are casts, not GEMMs (triton_tem_: GEMMs)
+        return "inductor/triton fused"
     if any(s in n for s in ("flash", "fmha", "attn", "attention", "sdpa")):
         return "attention"
-    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "scaled_mm")):
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "scaled_mm", "triton_tem_")):
         # cuBLAS's Hopper FP8 kernels: nvjet_sm90_qqtst_... / _qrtst_... (q, r: an fp8 operand)
         fp8 = (any(s in n for s in ("e4m3", "e5m2", "f8", "float8", "scaled"))
                or re.search(r"nvjet_(sm\d+_)?[qr][qr]", n) is not None)
         return "GEMM fp8" if fp8 else "GEMM bf16"
-    if n.startswith("triton_"):  # inductor's fused kernels (norms, rope, SiLU, torchao's casts)
-        return "inductor/triton fused"
     if "multi_tensor_apply" in n or "adam" in n:
         return "optimizer"
     return "other"
 
 
 def profile_classes(step) -> dict:
-    """GPU ms per step by kernel class and host ms per step, from ``_profile._kernels``."""
+    """GPU ms per step by kernel class and host ms per step, from ``_profile._kernels``; under
+    ``"kernels"`` the largest kernels (name, class, calls and ms per step), to check the classes."""
     from ._profile import _kernels
 
     out = dict.fromkeys(KERNEL_CLASSES, 0.0)
@@ -194,6 +200,8 @@ def profile_classes(step) -> dict:
         out[kernel_class(name)] += us / 1e3
     out["GPU total"] = sum(out[c] for c in KERNEL_CLASSES)
     out["host"] = rows[-1][2] / 1e3
+    out["kernels"] = [{"name": name, "class": kernel_class(name), "calls": calls, "ms": us / 1e3}
+                      for name, calls, us in rows[:-1][:TOP_KERNELS]]
     return out
 
 
