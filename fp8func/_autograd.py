@@ -52,6 +52,12 @@ class _Layout:
     sharding: Sharding | None = None  # delayed: how x's and dy's rows are split over ranks
     x_inside: bool = False  # x exists only as its casts (x_given), read from x itself inside the op
 
+    @property
+    def n_given(self) -> int:
+        """How many tensor inputs the given casts take: a (data, scale) pair each, none for x's
+        casts read from x itself."""
+        return 2 * (len(self.w_given) + (0 if self.x_inside else len(self.x_given)))
+
 
 def _unpack(layout: _Layout, x, leaves) -> tuple[dict, dict, tuple | None]:
     it = iter(leaves)
@@ -160,7 +166,7 @@ class _LinearFn(torch.autograd.Function):
                 raise ValueError("fp8func: a grad_output gathered in FP8 cannot give a bias gradient; "
                                  "use the stock RowwiseParallel for layers with a bias.")
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        given = (None,) * (2 * (len(ctx.layout.w_given) + (0 if ctx.layout.x_inside else len(ctx.layout.x_given))))
+        given = (None,) * ctx.layout.n_given
         states = () if not ctx.layout.delayed else _next_states(ctx, state_saved, grads[4], dy_amax)
         return (dx, dw, db, None, None, *given, *states)
 
@@ -172,8 +178,7 @@ class _LinearFn(torch.autograd.Function):
         def pick(t, d, i):
             return t if t is None or d is None else t.select(d, i)
 
-        n_given = 2 * (len(layout.w_given) + (0 if layout.x_inside else len(layout.x_given)))
-        if any(d is not None for d in in_dims[5:5 + n_given]) or (layout.x_inside and in_dims[0] is not None):
+        if any(d is not None for d in in_dims[5:5 + layout.n_given]) or (layout.x_inside and in_dims[0] is not None):
             raise ValueError("fp8func.linear: vmap over weight or input casts made elsewhere (FSDP2's fp8 "
                              "all-gather, an FP8 sequence gather) is not supported; vmap over the tensors.")
         tensors = (x, weight, bias, *leaves)
