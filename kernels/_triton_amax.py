@@ -15,7 +15,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._configs import Config
-from ._triton_device import amax_bits
+from ._triton_device import amax_bits, anchor
 
 __all__ = ["amax_programs", "launch_amax_2d", "launch_amax_flat"]
 
@@ -24,7 +24,7 @@ AMAX_2D_ROWS = 128  # rows one program of the 2-D amax walks (and carries its co
 
 
 @triton.jit
-def _amax_flat_kernel(x_ptr, out_ptr, N, STEP, BLOCK: tl.constexpr, PARTIAL: tl.constexpr):
+def _amax_flat_kernel(x_ptr, anchor_ptr, out_ptr, N, STEP, BLOCK: tl.constexpr, PARTIAL: tl.constexpr):
     # Grid-stride loop (STEP = programs * BLOCK): one atomic max per program into out[0] (zeroed
     # by the caller), or with PARTIAL one plain store per program into out[pid] (no zeroing: the
     # consumer reduces the partial maxima itself, see _cast_kernel's NPART).
@@ -40,7 +40,7 @@ def _amax_flat_kernel(x_ptr, out_ptr, N, STEP, BLOCK: tl.constexpr, PARTIAL: tl.
 
 
 @triton.jit
-def _amax_2d_kernel(x_ptr, rows_ptr, cols_ptr, M, K, M_CHUNK: tl.constexpr,
+def _amax_2d_kernel(x_ptr, anchor_ptr, rows_ptr, cols_ptr, M, K, M_CHUNK: tl.constexpr,
                     ROWS: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     # One program: BK columns of M_CHUNK rows, in [BM, BK] tiles. Each tile's row maxima go out
     # by atomics at once; the column maxima are carried over the chunk, one atomic per column.
@@ -75,8 +75,8 @@ def launch_amax_flat(x: torch.Tensor, out: torch.Tensor, cfg: Config, partial: b
     n = x.numel()
     if n:
         programs = amax_programs(n, cfg)
-        wrap_triton(_amax_flat_kernel)[(programs,)](x, out, n, programs * cfg.bk, BLOCK=cfg.bk, PARTIAL=partial,
-                                                    num_warps=cfg.warps, num_stages=cfg.stages)
+        wrap_triton(_amax_flat_kernel)[(programs,)](x, anchor(x), out, n, programs * cfg.bk, BLOCK=cfg.bk,
+                                                    PARTIAL=partial, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def launch_amax_2d(x: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tensor | None, cfg: Config) -> None:
@@ -87,6 +87,6 @@ def launch_amax_2d(x: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tenso
         grid = (triton.cdiv(k, cfg.bk), triton.cdiv(m, chunk))
         dummy = rows if rows is not None else cols
         wrap_triton(_amax_2d_kernel)[grid](
-            x, dummy if rows is None else rows, dummy if cols is None else cols, m, k,
+            x, anchor(x), dummy if rows is None else rows, dummy if cols is None else cols, m, k,
             M_CHUNK=chunk, ROWS=rows is not None, COLS=cols is not None, BM=cfg.bm, BK=cfg.bk,
             num_warps=cfg.warps, num_stages=cfg.stages)

@@ -17,7 +17,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._configs import Config
-from ._triton_device import abs_bits, consts, recip, saturate, scale_of, transposed
+from ._triton_device import abs_bits, anchor, consts, recip, saturate, scale_of, transposed
 
 __all__ = ["MAX_ROW_K", "launch_quant", "launch_quant_t", "rowwise_tile"]
 
@@ -25,7 +25,7 @@ MAX_ROW_K = 16384  # widest row the one-pass row-wise kernel keeps in registers
 
 
 @triton.jit
-def _quant_kernel(x_ptr, data_ptr, scale_ptr, M, K, s0, s1, TILE_GROUP: tl.constexpr, INV_MAX: tl.constexpr,
+def _quant_kernel(x_ptr, anchor_ptr, data_ptr, scale_ptr, M, K, s0, s1, TILE_GROUP: tl.constexpr, INV_MAX: tl.constexpr,
                   FP8_MAX: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     # TILE_GROUP: the tile is one group (128x128): scale[pid_m, pid_k]. Else each tile row is one
     # group (a whole row, or 1x128): scale[m, pid_k].
@@ -96,7 +96,7 @@ def _t_second_slab(x_ptr, r0, pid_m, pid_k, cols, cmask, data_ptr, scale_ptr, da
 
 
 @triton.jit
-def _quant_t_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s0, s1, t0, t1,
+def _quant_t_kernel(x_ptr, anchor_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, s0, s1, t0, t1,
                     TILE_GROUP: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
                     POW2: tl.constexpr, B: tl.constexpr, CH: tl.constexpr, UNROLL: tl.constexpr = 0,
                     RAW_T: tl.constexpr = False):
@@ -150,7 +150,7 @@ def launch_quant(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, tile_
         return
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
     wrap_triton(_quant_kernel)[grid](
-        x, data, scale, m, k, scale.stride(0), scale.stride(1), TILE_GROUP=tile_group, **consts(data.dtype, pow2),
+        x, anchor(x), data, scale, m, k, scale.stride(0), scale.stride(1), TILE_GROUP=tile_group, **consts(data.dtype, pow2),
         BM=bm, BK=bk, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
@@ -165,7 +165,7 @@ def launch_quant_t(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, dat
         raise ValueError(f"launch_quant_t: {cfg} on {block}x{block} tiles; use bm={block} and a bk dividing it.")
     grid = (triton.cdiv(m, block), triton.cdiv(k, block))
     wrap_triton(_quant_t_kernel)[grid](
-        x, data, scale, data_t, scale_t, m, k, scale.stride(0), scale.stride(1), scale_t.stride(0),
+        x, anchor(x), data, scale, data_t, scale_t, m, k, scale.stride(0), scale.stride(1), scale_t.stride(0),
         scale_t.stride(1), TILE_GROUP=tile_group, **consts(data.dtype, pow2), B=block, CH=cfg.bk,
         UNROLL=cfg.unroll, RAW_T=cfg.raw_t, num_warps=cfg.warps, num_stages=cfg.stages)
 

@@ -16,13 +16,13 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._configs import Config
-from ._triton_device import abs_bits, canonical_nan, consts, recip, saturate, scale_of, transposed
+from ._triton_device import abs_bits, anchor, canonical_nan, consts, recip, saturate, scale_of, transposed
 
 __all__ = ["cast_partials", "launch_cast"]
 
 
 @triton.jit
-def _cast_kernel(x_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out_ptr,
+def _cast_kernel(x_ptr, anchor_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb_ptr, sb_out_ptr,
                  M, K, sa0, sa1, sb0, sb1,
                  A_M: tl.constexpr, A_K: tl.constexpr, B_K: tl.constexpr, B_M: tl.constexpr,
                  FROM_AMAX: tl.constexpr, INV_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -116,7 +116,7 @@ def launch_cast(x: torch.Tensor, data: torch.Tensor, sa: torch.Tensor, data_t: t
     from_amax = sa_out is not None
     grid = (triton.cdiv(m, cfg.bm), triton.cdiv(k, cfg.bk))
     wrap_triton(_cast_kernel)[grid](
-        x, data, sa, sa_out if from_amax else sa, data_t if transpose else data,
+        x, anchor(x), data, sa, sa_out if from_amax else sa, data_t if transpose else data,
         sb if transpose else sa, sb_out if (from_amax and transpose) else sa,
         m, k, sa0, sa1, sb0, sb1, A_M=a_m, A_K=a_k, B_K=b_k, B_M=b_m, FROM_AMAX=from_amax,
         **consts(data.dtype, pow2), TRANSPOSE=transpose, BM=cfg.bm, BK=cfg.bk,

@@ -5,7 +5,8 @@ patterns of ``|x|`` (monotonic for non-negative floats, NaN above inf, exact and
 so atomics are safe); ``scale = max(amax, EPS) * (1/fp8_max)`` with NaN propagated; the
 power-of-two round-up by the same bit trick; ``1/scale`` as a correctly rounded fp32 division
 (what the twin's fp64 quotient rounds to); ``clamp(x * recip, ±max)`` cast to fp8 with
-round-to-nearest-even.
+round-to-nearest-even. Two host helpers go with every launch: ``consts`` (the cast's
+constexprs) and ``anchor`` (what the launch passes as ``anchor_ptr``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8func._formats import fp8_max
+from fp8func._formats import fp8_max, tracing
 from fp8func._scaling import EPS
 
-__all__ = ["abs_bits", "amax_bits", "canonical_nan", "consts", "recip", "saturate", "scale_of", "transposed"]
+__all__ = ["abs_bits", "amax_bits", "anchor", "canonical_nan", "consts", "recip", "saturate", "scale_of", "transposed"]
 
 EPS_F32 = tl.constexpr(EPS)  # rounded to fp32 where used, as torch's clamp(min=EPS) does
 
@@ -25,6 +26,23 @@ EPS_F32 = tl.constexpr(EPS)  # rounded to fp32 where used, as torch's clamp(min=
 def consts(dtype: torch.dtype, pow2: bool) -> dict:
     """The ``INV_MAX``, ``FP8_MAX`` and ``POW2`` constexprs of a cast to ``dtype``."""
     return {"INV_MAX": 1.0 / fp8_max(dtype), "FP8_MAX": fp8_max(dtype), "POW2": pow2}
+
+
+def anchor(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' ``anchor_ptr`` argument for input ``x``: never read; under torch.compile a
+    one-element ``as_strided`` view of ``x``, eagerly ``x`` itself.
+
+    Inductor gives a Triton kernel that reads a tensor not yet written to memory (the output of
+    an RMSNorm, a SiLU-mul, a gradient) its own copy of it, fused into the producing kernel as one
+    more store: a tensor read by an amax and a cast kernel, or by the casts of q, k and v, was
+    written two to six times. ``as_strided`` makes inductor write the tensor's buffer once, before
+    the first kernel that reads it, and each kernel then reads that buffer in place. Where the
+    buffer's layout is not the one the kernel reads (inductor padded its rows), inductor still
+    copies it to the strides the kernel was traced with: the view only ever saves a copy.
+    """
+    if type(x) is torch.Tensor or not x.numel() or not tracing():
+        return x
+    return x.as_strided((1,), (1,))
 
 
 @triton.jit

@@ -5,6 +5,7 @@ Marked ``gpu``: skipped (with the reason shown) where no FP8-capable CUDA GPU is
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -209,6 +210,61 @@ def test_delayed_linear_with_triton_kernels_is_bitwise_the_plain_casts(compiled)
         runs[mode] = (y, xx.grad, ww.grad, *(t.grad for t in st))
     for a, b in zip(runs["off"], runs["auto"], strict=True):
         assert torch.equal(a, b)
+
+
+# A launch of an fp8func kernel in inductor's code, and the buffer its x argument reads.
+_KERNEL_LAUNCH = re.compile(r"\b(?:_amax_flat|_amax_2d|_cast|_quant|_quant_t)_kernel\w*\.run\(\s*(?:reinterpret_tensor\()?(\w+)")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+@pytest.mark.parametrize("dim", [512, 1040], ids=["dim512", "dim1040-padded"])
+def test_compiled_casts_read_an_intermediate_in_place(recipe, dim, monkeypatch):
+    """q, k and v reading a tensor made inside the compiled graph (a norm's output in a decoder
+    layer): with the kernels' anchor (``kernels._triton_device.anchor``) the forward's cast
+    kernels all read the one buffer the tensor is written to; without it inductor hands each
+    kernel a copy of its own. Outputs and gradients are bitwise the same either way. dim 1040:
+    inductor pads rows longer than 1024 elements to a multiple of 64, so the kernels read copies
+    laid out as traced, with the anchor too."""
+    from torch import nn
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8func.kernels import _triton_amax, _triton_block, _triton_cast
+
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(dim, 512, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            h = x * 1.5
+            return self.q(h) * torch.sigmoid(self.k(h)) + self.v(h)
+
+    def step(fn, xx):
+        y = fn(xx)
+        y.sum().backward()
+        return y.detach()
+
+    torch.manual_seed(0)
+    base = QKV().cuda().bfloat16()
+    x = torch.randn(4, 256, dim, device="cuda").bfloat16()
+    runs, read = {}, {}
+    for anchored in (True, False):
+        if not anchored:
+            for module in (_triton_amax, _triton_block, _triton_cast):
+                monkeypatch.setattr(module, "anchor", lambda t: t)
+        torch._dynamo.reset()
+        model = f8.convert(copy.deepcopy(base), recipe, fsdp_fp8_all_gather=False)
+        fn = torch.compile(model, fullgraph=True)
+        xx = x.clone().requires_grad_()
+        y, code = run_and_get_code(step, fn, xx)
+        runs[anchored] = [y, xx.grad, *(p.grad for p in model.parameters())]
+        launches = _KERNEL_LAUNCH.findall(code[0])
+        assert launches, code[0]
+        read[anchored] = {name for name in launches if not name.startswith("primals")}  # weights: graph inputs
+    torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False], strict=True))
+    if dim == 512:
+        assert len(read[True]) == 1 < len(read[False]), read
 
 
 @pytest.mark.parametrize("fast_accum", [(), ("output", "grad_input", "grad_weight")], ids=["promoted", "fast_accum"])
