@@ -150,8 +150,8 @@ def launch_quant(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, tile_
         return
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
     wrap_triton(_quant_kernel)[grid](
-        x, anchor(x), data, scale, m, k, scale.stride(0), scale.stride(1), TILE_GROUP=tile_group, **consts(data.dtype, pow2),
-        BM=bm, BK=bk, num_warps=cfg.warps, num_stages=cfg.stages)
+        x, anchor(x), data, scale, m, k, scale.stride(0), scale.stride(1), TILE_GROUP=tile_group,
+        **consts(data.dtype, pow2), BM=bm, BK=bk, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def launch_quant_t(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor,

@@ -213,7 +213,8 @@ def test_delayed_linear_with_triton_kernels_is_bitwise_the_plain_casts(compiled)
 
 
 # A launch of an fp8func kernel in inductor's code, and the buffer its x argument reads.
-_KERNEL_LAUNCH = re.compile(r"\b(?:_amax_flat|_amax_2d|_cast|_quant|_quant_t)_kernel\w*\.run\(\s*(?:reinterpret_tensor\()?(\w+)")
+_KERNEL_LAUNCH = re.compile(
+    r"\b(?:_amax_flat|_amax_2d|_cast|_quant|_quant_t)_kernel\w*\.run\(\s*(?:reinterpret_tensor\()?(\w+)")
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
