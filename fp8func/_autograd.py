@@ -80,12 +80,14 @@ def _given(pair: tuple, spec: CastSpec, dtype: torch.dtype) -> Fp8Tensor:
 
 
 def _cast_operand(t, spec: CastSpec, given: dict, name: str, state, transpose: bool, p: LinearPlan):
-    """(cast, its transposed copy or None, amax recorded or None) of the forward's ``x`` / ``w``."""
+    """(cast, its transposed copy or None, amax recorded or None) of the forward's ``x`` / ``w``.
+    Compiled, x's tensorwise amax fuses into the kernel that makes x; a weight, which the
+    compiled region is given, keeps the amax kernel."""
     if given:
         return _given(given[name], spec, t.dtype), None, None
     if state is not None:
         return _cast_delayed(t, spec, state.scale, transpose=transpose, kernels=p.kernels)
-    q, q_t = _cast(t, spec, transpose=transpose, kernels=p.kernels)
+    q, q_t = _cast(t, spec, transpose=transpose, kernels=p.kernels, fuse_amax=name == "x")
     return q, q_t, None
 
 
@@ -246,7 +248,7 @@ def _cast_grad_output(dy2, given, state, want_first: bool, want_second: bool, p:
         qdy, qdy_t, amax = _cast_delayed(dy2, casts.first, state[1], transpose=want_second, kernels=p.kernels)
         return qdy, qdy_t, amax
     if casts.first == casts.second:  # one call, one amax: [M, N] along N and [N, M] along M
-        return _cast(dy2, casts.first, transpose=want_second, kernels=p.kernels)[:2] + (None,)
+        return _cast(dy2, casts.first, transpose=want_second, kernels=p.kernels, fuse_amax=True)[:2] + (None,)
     qdy = _cast(dy2, casts.first, kernels=p.kernels)[0] if want_first else None
     qdy_t = _cast(dy2.t(), casts.second, kernels=p.kernels)[0] if want_second else None
     return qdy, qdy_t, None

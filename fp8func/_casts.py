@@ -121,12 +121,14 @@ def _cast_dtensor(t, spec: CastSpec, transpose: bool, kernels: str) -> tuple[Fp8
 
 
 def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False, sharding: tuple[Sharding, ...] = (),
-          kernels: str = "auto") -> tuple[Fp8Tensor, Fp8Tensor | None]:
+          kernels: str = "auto", fuse_amax: bool = False) -> tuple[Fp8Tensor, Fp8Tensor | None]:
     """``quantize(t, spec, sharding=sharding)`` and, with ``transpose``, ``quantize(t.T, spec)``
     (a row-major ``[K, M]`` payload), by the fused kernels where they apply: one amax for both
     copies. ``sharding``: ``t`` is a local shard whose amax is reduced over these (as ``quantize``'s
     ``sharding``); where it needs reducing, the kernels run the amax and the cast as two launches
-    around the reduction (a transposed copy then only for tensorwise / square blocks)."""
+    around the reduction (a transposed copy then only for tensorwise / square blocks).
+    ``fuse_amax``: ``t`` is computed in the region being compiled (an activation, a gradient), so
+    a tensorwise amax goes to inductor, fused into its producer (``fp8func.kernels.quantize``)."""
     if not sharding and _dtensor_kernels(t, spec, transpose, kernels):
         return _cast_dtensor(t, spec, transpose, kernels)
     mesh_dims = [(sh, sh.amax_mesh_dims(spec.granularity, tuple(t.shape))) for sh in sharding]
@@ -136,7 +138,7 @@ def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False, sharding: tu
 
         impl = _kernel_impl(kernels)
         if not reduced:
-            q, q_t = kernel_ops.quantize(t, spec, transpose=transpose, impl=impl)
+            q, q_t = kernel_ops.quantize(t, spec, transpose=transpose, impl=impl, fuse_amax=fuse_amax)
         else:
             scale = _scale(t, spec, sharding, kernels)
             data, data_t = kernel_ops.cast(t, scale, spec, transpose=transpose, impl=impl)

@@ -201,13 +201,19 @@ def cast_amax(
 
 
 def quantize(
-    x: torch.Tensor, spec: CastSpec, *, transpose: bool = False, impl: str = "auto"
+    x: torch.Tensor, spec: CastSpec, *, transpose: bool = False, impl: str = "auto", fuse_amax: bool = False
 ) -> tuple[Fp8Tensor, Fp8Tensor | None]:
     """``fp8func.quantize(x, spec)`` and, with ``transpose``, ``fp8func.quantize(x.T.contiguous(), spec)``.
 
     Fused where a scale group fits one program (row-wise, 1x128 and 128x128 blocks, with their
     transposes for the blocks): one read of ``x``. Tensorwise and row-wise-with-transpose read
     ``x`` twice (an amax pass, then one pass that writes both copies).
+
+    ``fuse_amax`` (tensorwise, under ``torch.compile``): the amax pass as graph ops over the bits
+    of ``x``, which inductor fuses into the kernel that produces ``x`` (an RMSNorm, a SiLU-mul, a
+    gradient), so that ``x`` is read once more by the cast alone; the same bits as the amax kernel.
+    Worth it for a tensor computed in the compiled region, not for one it is given (a weight),
+    where the graph's reduction takes two launches to the kernel's one. Eagerly it changes nothing.
 
     Example:
         >>> import torch, fp8func as f8, fp8func.kernels as k
@@ -218,6 +224,6 @@ def quantize(
     """
     _check_x(x, "quantize")
     _check_spec(x, spec, transpose, "quantize")
-    data, scale, data_t, scale_t = _backend(impl, x).quantize(x, spec, transpose)
+    data, scale, data_t, scale_t = _backend(impl, x).quantize(x, spec, transpose, fuse_amax)
     meta = Fp8Meta(spec, x.dtype, None)
     return Fp8Tensor(data, scale, meta), (Fp8Tensor(data_t, scale_t, meta) if transpose else None)

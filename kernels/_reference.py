@@ -48,9 +48,10 @@ def cast_amax(
 
 
 def quantize(
-    x: torch.Tensor, spec: CastSpec, transpose: bool
+    x: torch.Tensor, spec: CastSpec, transpose: bool, fuse_amax: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(data, scale, data_t, scale_t)`` of ``quantize(x)`` and, if asked, ``quantize(x.T.contiguous())``."""
+    """``(data, scale, data_t, scale_t)`` of ``quantize(x)`` and, if asked, ``quantize(x.T.contiguous())``.
+    ``fuse_amax`` (where the amax runs) changes no bit."""
     q = _quantize(x, spec)
     if not transpose:
         return q.data, q.scale, None, None

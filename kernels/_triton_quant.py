@@ -19,6 +19,7 @@ import torch
 from torch._library import triton as _library_triton
 from torch.library import triton_op
 
+from fp8func._formats import tracing
 from fp8func._scaling import AxisWise, CastSpec, Granularity, TensorWise, compute_scale
 
 from ._configs import config
@@ -76,13 +77,36 @@ def _cast_amax_op_fn(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     return data, data_t, parts.max().view(torch.float32).reshape(1, 1)
 
 
-def _quantize_tensorwise(x, data, scale, dt, st, pow2: bool) -> None:
+def _amax_in_graph(x: torch.Tensor) -> torch.Tensor | None:
+    """``max |x|`` as one int32 bit pattern of its fp32 value (NaN: 0x7FC00000), by graph ops that
+    inductor fuses into the kernel producing ``x``; None where the kernel computes it (eager, or
+    an input other than bf16 / fp32).
+
+    The maximum is taken over the magnitude bits, not the values: inductor computes a fused
+    producer in fp32 and would compare its unrounded results, where the kernel reads the stored
+    ones; a bit view makes it round first. The bits order like the magnitudes, NaNs above inf, so
+    their maximum, its NaN made canonical, is ``amax_bits``' (for bf16, shifted to fp32's place)."""
+    if not tracing() or x.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if x.dtype == torch.bfloat16:
+        bits = (x.view(torch.int16) & 0x7FFF).amax().to(torch.int32) << 16
+    else:
+        bits = (x.view(torch.int32) & 0x7FFFFFFF).amax()
+    return torch.where(bits > 0x7F800000, 0x7FC00000, bits).reshape(1)
+
+
+def _quantize_tensorwise(x, data, scale, dt, st, pow2: bool, fuse_amax: bool) -> None:
     # An amax pass storing per-program partial maxima (no zeroed buffer, so no fill launch
-    # before it), then the cast reduces them in every program and makes the scale.
-    cfg = config("amax_flat")
-    parts = amax_programs(x.numel(), cfg)
-    amax = torch.empty((parts,), device=x.device, dtype=torch.float32)
-    launch_amax_flat(x, amax, cfg, partial=True)
+    # before it), or the amax as graph ops (one partial), then the cast reduces them in every
+    # program and makes the scale.
+    bits = _amax_in_graph(x) if fuse_amax else None
+    if bits is not None:
+        parts, amax = 1, bits.view(torch.float32)
+    else:
+        cfg = config("amax_flat")
+        parts = amax_programs(x.numel(), cfg)
+        amax = torch.empty((parts,), device=x.device, dtype=torch.float32)
+        launch_amax_flat(x, amax, cfg, partial=True)
     launch_cast(x, data, amax, dt, amax if dt is not None else None, (0, 0), pow2,
                 config("cast_t" if dt is not None else "cast"), sa_out=scale, sb_out=st, partials=parts)
 
@@ -98,8 +122,8 @@ def _quantize_rowwise_2pass(x, data, scale, dt, st, pow2: bool) -> None:
                 sa_out=scale, sb_out=st)
 
 
-def _quantize_op_fn(x: torch.Tensor, dtype: torch.dtype, pow2: bool, gm: int, gk: int,
-                    transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_op_fn(x: torch.Tensor, dtype: torch.dtype, pow2: bool, gm: int, gk: int, transpose: bool,
+                    fuse_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, k = x.shape
     dev = x.device
     data = torch.empty((m, k), device=dev, dtype=dtype)
@@ -113,7 +137,7 @@ def _quantize_op_fn(x: torch.Tensor, dtype: torch.dtype, pow2: bool, gm: int, gk
         scale.copy_(compute_scale(torch.zeros_like(scale), dtype, pow2))
         scale_t.copy_(compute_scale(torch.zeros_like(scale_t), dtype, pow2))
     elif gm == 0 and gk == 0:
-        _quantize_tensorwise(x, data, scale, dt, st, pow2)
+        _quantize_tensorwise(x, data, scale, dt, st, pow2, fuse_amax)
     elif gk == 0 and (transpose or k > MAX_ROW_K):
         _quantize_rowwise_2pass(x, data, scale, dt, st, pow2)
     elif gk == 0:  # row-wise, one pass
@@ -175,9 +199,10 @@ def cast_amax(
 
 
 def quantize(
-    x: torch.Tensor, spec: CastSpec, transpose: bool
+    x: torch.Tensor, spec: CastSpec, transpose: bool, fuse_amax: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(data, scale, data_t, scale_t)`` of ``quantize(x)`` and, if asked, ``quantize(x.T.contiguous())``."""
+    """``(data, scale, data_t, scale_t)`` of ``quantize(x)`` and, if asked, ``quantize(x.T.contiguous())``;
+    ``fuse_amax``: a tensorwise amax as graph ops under torch.compile (``_amax_in_graph``)."""
     data, scale, data_t, scale_t = _call(_quantize_op, _quantize_op_fn, x, spec.dtype, spec.pow2_scales,
-                                         *_groups(spec.granularity), transpose)
+                                         *_groups(spec.granularity), transpose, fuse_amax)
     return (data, scale, data_t, scale_t) if transpose else (data, scale, None, None)

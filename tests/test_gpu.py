@@ -268,6 +268,66 @@ def test_compiled_casts_read_an_intermediate_in_place(recipe, dim, monkeypatch):
         assert len(read[True]) == 1 < len(read[False]), read
 
 
+@pytest.mark.parametrize("kind", ["randn", "nan", "-inf", "zeros", "fp32"])
+@pytest.mark.parametrize("shape", [(8192, 2048), (1000, 4096), (37, 256), (1, 64)], ids=str)
+def test_compiled_fused_amax_is_bitwise_the_amax_kernel(kind, shape):
+    """``fuse_amax``: a tensorwise amax that inductor computes inside the kernel producing x (here
+    x * 1.5, computed in fp32 and stored as bf16) gives the amax kernel's scale, bit for bit: the
+    maximum is taken over the stored values' bits, NaN canonical, so no unrounded product and no
+    NaN payload can change it."""
+    from fp8func import kernels
+
+    spec = f8.CastSpec(f8.E4M3, f8.TensorWise())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(shape, device="cuda", generator=g, dtype=torch.float32 if kind == "fp32" else torch.bfloat16) * 3
+    if kind == "nan":
+        a[shape[0] // 2, -1] = float("nan")
+    elif kind == "-inf":
+        a[-1, 0] = float("-inf")
+    elif kind == "zeros":
+        a.zero_()
+    eager = kernels.quantize(a * 1.5, spec, transpose=True)
+    torch._dynamo.reset()
+    fused = torch.compile(lambda t: kernels.quantize(t * 1.5, spec, transpose=True, fuse_amax=True), fullgraph=True)(a)
+    for q, r in zip(eager, fused, strict=True):
+        assert torch.equal(q.scale.view(torch.int32), r.scale.view(torch.int32))
+        assert torch.equal(q.data.view(torch.uint8), r.data.view(torch.uint8))
+
+
+def test_compiled_block_with_fused_amaxes_is_bitwise_the_amax_kernels(monkeypatch):
+    """A compiled SiLU-mul -> linear -> RMSNorm -> linear block, forward and backward: with the
+    activations' and gradients' amaxes fused into their producers (the default under
+    torch.compile) the outputs and gradients are bitwise those of the amax kernels, and the
+    forward launches the amax kernel for the weights alone."""
+    import torch.nn.functional as F
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8func.kernels import _triton_quant
+
+    def block(gate, up, w1, w2):
+        y = f8.linear(F.silu(gate) * up, w1, recipe="tensorwise")
+        return f8.linear(F.rms_norm(y, (y.shape[-1],)), w2, recipe="tensorwise")
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate, up = (torch.randn(2, 1000, 2048, device="cuda", generator=g).bfloat16() for _ in "gu")
+    w1 = (torch.randn(1024, 2048, device="cuda", generator=g) / 2048**0.5).bfloat16()
+    w2 = (torch.randn(512, 1024, device="cuda", generator=g) / 1024**0.5).bfloat16()
+    runs, amax_launches = {}, {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(_triton_quant, "_amax_in_graph", lambda t: None)
+        torch._dynamo.reset()
+        fn = torch.compile(block, fullgraph=True)
+        leaves = [t.clone().requires_grad_() for t in (gate, up, w1, w2)]
+        y, code = run_and_get_code(fn, *leaves)
+        y.float().square().sum().backward()
+        runs[fused] = [y, *(t.grad for t in leaves)]
+        amax_launches[fused] = len(re.findall(r"\b_amax_flat_kernel\w*\.run\(", code[0]))
+    torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False], strict=True))
+    assert amax_launches == {True: 2, False: 4}, amax_launches
+
+
 @pytest.mark.parametrize("fast_accum", [(), ("output", "grad_input", "grad_weight")], ids=["promoted", "fast_accum"])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_grouped_linear_on_gpu_hardware_vs_emulated(compiled, fast_accum):

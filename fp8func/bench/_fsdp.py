@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     compare_on_off(rows, args.deterministic or torch.device(args.device).type == "cpu")
     setup = (f"{m.model_line(spec)}; FSDP2 on a one-rank mesh ({env['device']}), fully_shard per decoder layer and "
              f"the root, fp32 master weights, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); "
-             f"{m.step_line(args)}, then the scale precompute where stated; compile: {args.compile}; lm_head {'FP8' if args.fp8_lm_head else 'bf16'}; median of "
+             f"{m.step_line(args)}, then the scale precompute where stated; compile: {m.COMPILED[args.compile]}; "
+             f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'}; median of "
              f"{args.iters} synchronized steps after {m.COMPILE_STEPS} compile steps and {args.warmup} warm-up steps.")
     m.emit(table(rows, env, setup), env, rows, args.json, setup=setup, model=spec)
     return rows

@@ -5,8 +5,8 @@ download), at Llama-3.2-1B shape (``--model 1b``: 16 layers, hidden 2048, MLP 81
 vocab 128256, untied lm_head, seq 4096, batch 2) or four layers of Llama-3-8B shape (``--model
 8b-layers``: hidden 4096, MLP 14336, 32/8 heads, vocab 128256, seq 8192, batch 1). bf16
 parameters, AdamW (its state in bf16 too); a step is forward, loss, backward, ``optimizer.step()``
-and ``zero_grad`` (``--optimizer none``: forward, loss, backward and ``zero_grad`` alone). Each decoder layer is compiled on its own (``--compile block``, as torchtitan
-does), or the whole model (``--compile model``), or nothing (``--compile none``).
+and ``zero_grad`` (``--optimizer none``: forward, loss, backward and ``zero_grad`` alone). Each decoder layer and the loss are compiled on their own (``--compile
+block``, as torchtitan does), or the whole model (``--compile model``), or nothing (``--compile none``).
 
 Every configuration rebuilds the model from the same seed and trains on the same batches, in
 one process: tokens/s from the median of ``--iters`` synchronized steps after five compile
@@ -58,6 +58,8 @@ CONFIGS = {
 }
 COMPILE_STEPS = 5  # the first step compiles; the four after it show any recompilation
 TOP_KERNELS = 40  # kernels listed by name in the JSON of a --profile run
+COMPILED = {"block": "each decoder layer and the loss compiled on their own (as torchtitan does)",
+            "model": "the whole model compiled as one graph, loss included", "none": "eager"}
 KERNEL_CLASSES = ("GEMM bf16", "GEMM fp8", "attention", "fp8func casts", "inductor/triton fused", "optimizer", "other")
 
 
@@ -121,9 +123,13 @@ def count_fp8_linears(model) -> tuple[int, int]:
 
 
 def compile_model(model, how: str) -> None:
+    """``block``: each decoder layer compiled on its own, and the loss (the lm_head's logits upcast
+    to fp32, log-softmax and NLL over the vocabulary), as torchtitan compiles its blocks and its
+    loss; ``model``: one graph, loss included (HF computes it in ``forward``); ``none``: eager."""
     if how == "block":
         for layer in model.model.layers:
             layer.compile()
+        model.loss_function = torch.compile(model.loss_function)
     elif how == "model":
         model.compile()
     elif how != "none":
@@ -350,9 +356,8 @@ def add_common_args(p: argparse.ArgumentParser, configs: dict, default_model: st
     for key in MODELS["1b"]:
         p.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"override the model's {key}")
     p.add_argument("--configs", default=default_configs, help=f"comma list of {', '.join(configs)}")
-    what = {"block": "each decoder layer compiled on its own", "model": "the whole model compiled", "none": "eager"}
     p.add_argument("--compile", choices=compile_choices, default="block",
-                   help="; ".join(f"{c}: {what[c]}" for c in compile_choices))
+                   help="; ".join(f"{c}: {COMPILED[c]}" for c in compile_choices))
     p.add_argument("--iters", type=int, default=10, help="timed steps per configuration (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the five compile steps")
     p.add_argument("--lr", type=float, default=3e-4)
@@ -408,7 +413,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     data = batches(spec, args.device)
     rows = run_all(lambda name: run_config(name, spec, args, data), names, args.json, env)
     compare(rows)
-    setup = (f"{model_line(spec)}; bf16 parameters; {step_line(args)}; compile: {args.compile}; lm_head "
+    setup = (f"{model_line(spec)}; bf16 parameters; {step_line(args)}; compile: {COMPILED[args.compile]}; lm_head "
              f"{'FP8' if args.fp8_lm_head else 'bf16'}; median of {args.iters} synchronized steps after "
              f"{COMPILE_STEPS} compile steps and {args.warmup} warm-up steps; loss at step {len(rows[0]['losses']) - 1}.")
     emit(table(rows, env, setup), env, rows, args.json, setup=setup, model=spec)
