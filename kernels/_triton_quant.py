@@ -85,13 +85,16 @@ def _amax_in_graph(x: torch.Tensor) -> torch.Tensor | None:
     The maximum is taken over the magnitude bits, not the values: inductor computes a fused
     producer in fp32 and would compare its unrounded results, where the kernel reads the stored
     ones; a bit view makes it round first. The bits order like the magnitudes, NaNs above inf, so
-    their maximum, its NaN made canonical, is ``amax_bits``' (for bf16, shifted to fp32's place)."""
+    their maximum, its NaN made canonical, is ``amax_bits``' (for bf16, shifted to fp32's place).
+    Row maxima first, then their maximum: a reduction over rows fuses into a pointwise producer
+    (SiLU-mul and its gradient) as well as into a row-wise one (RMSNorm), where inductor's split
+    of one flat reduction fuses into the latter only."""
     if not tracing() or x.dtype not in (torch.bfloat16, torch.float32):
         return None
     if x.dtype == torch.bfloat16:
-        bits = (x.view(torch.int16) & 0x7FFF).amax().to(torch.int32) << 16
+        bits = (x.view(torch.int16) & 0x7FFF).amax(dim=-1).amax().to(torch.int32) << 16
     else:
-        bits = (x.view(torch.int32) & 0x7FFFFFFF).amax()
+        bits = (x.view(torch.int32) & 0x7FFFFFFF).amax(dim=-1).amax()
     return torch.where(bits > 0x7F800000, 0x7FC00000, bits).reshape(1)
 
 
