@@ -5,8 +5,9 @@ download), at Llama-3.2-1B shape (``--model 1b``: 16 layers, hidden 2048, MLP 81
 vocab 128256, untied lm_head, seq 4096, batch 2) or four layers of Llama-3-8B shape (``--model
 8b-layers``: hidden 4096, MLP 14336, 32/8 heads, vocab 128256, seq 8192, batch 1). bf16
 parameters, AdamW (its state in bf16 too); a step is forward, loss, backward, ``optimizer.step()``
-and ``zero_grad`` (``--optimizer none``: forward, loss, backward and ``zero_grad`` alone). Each decoder layer and the loss are compiled on their own (``--compile
-block``, as torchtitan does), or the whole model (``--compile model``), or nothing (``--compile none``).
+and ``zero_grad`` (``--optimizer none``: forward, loss, backward and ``zero_grad`` alone). Each
+decoder layer and the loss are compiled on their own (``--compile block``, as torchtitan does), or
+the whole model (``--compile model``), or nothing (``--compile none``).
 
 Every configuration rebuilds the model from the same seed and trains on the same batches, in
 one process: tokens/s from the median of ``--iters`` synchronized steps after five compile
@@ -413,8 +414,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     data = batches(spec, args.device)
     rows = run_all(lambda name: run_config(name, spec, args, data), names, args.json, env)
     compare(rows)
-    setup = (f"{model_line(spec)}; bf16 parameters; {step_line(args)}; compile: {COMPILED[args.compile]}; lm_head "
-             f"{'FP8' if args.fp8_lm_head else 'bf16'}; median of {args.iters} synchronized steps after "
+    setup = (f"{model_line(spec)}; bf16 parameters; {step_line(args)}; compile: {COMPILED[args.compile]}; "
+             f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'}; median of {args.iters} synchronized steps after "
              f"{COMPILE_STEPS} compile steps and {args.warmup} warm-up steps; loss at step {len(rows[0]['losses']) - 1}.")
     emit(table(rows, env, setup), env, rows, args.json, setup=setup, model=spec)
     return rows
