@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._casts import _cast, _cast_delayed, _forward_transposes, activation_casts, takes_x_copy, weight_casts
-from ._delayed import LinearScalingState, ScalingState, consume, record_merged, record_merged_stacked
+from ._delayed import LinearScalingState, ScalingState, consume, record_merged, record_merged_packed
 from ._formats import tracing
 from ._gathered import casts_only, gathered_casts
 from ._gemm import gemm
@@ -43,11 +43,13 @@ __all__ = ["linear", "linear_delayed", "fp8_linear"]
 @dataclass(frozen=True)
 class _Layout:
     """Static description of the op's tensor inputs after (x, weight, bias), in order: each given
-    weight cast's (data, scale), each given input cast's, then six delayed-scaling state tensors."""
+    weight cast's (data, scale), each given input cast's, then the delayed-scaling state: six
+    tensors, or one packed (``packed_state``)."""
 
     w_given: tuple[str, ...] = ()
     x_given: tuple[str, ...] = ()
     delayed: bool = False
+    packed_state: int = 0  # delayed: L where the state is one packed [3 * (L + 1)] tensor, 0 for six tensors
     transposes: tuple[bool, bool] = (False, False)  # the forward writes x's / w's transposed fp8 copy
     sharding: Sharding | None = None  # delayed: how x's and dy's rows are split over ranks
     x_inside: bool = False  # x exists only as its casts (x_given), read from x itself inside the op
@@ -57,6 +59,11 @@ class _Layout:
         """How many tensor inputs the given casts take: a (data, scale) pair each, none for x's
         casts read from x itself."""
         return 2 * (len(self.w_given) + (0 if self.x_inside else len(self.x_given)))
+
+    @property
+    def n_state(self) -> int:
+        """How many tensor inputs the delayed-scaling state takes: six, one packed, or none."""
+        return 0 if not self.delayed else 1 if self.packed_state else 6
 
 
 def _unpack(layout: _Layout, x, leaves) -> tuple[dict, dict, tuple | None]:
@@ -69,8 +76,18 @@ def _unpack(layout: _Layout, x, leaves) -> tuple[dict, dict, tuple | None]:
         x = {name: (casts[name].data, casts[name].scale) for name in layout.x_given}
     else:
         x = {name: (next(it), next(it)) for name in layout.x_given}
-    states = tuple(ScalingState(next(it), next(it)) for _ in range(3)) if layout.delayed else None
+    states = _states(layout, tuple(it)) if layout.delayed else None
     return w, x, states
+
+
+def _states(layout: _Layout, leaves: tuple) -> tuple[ScalingState, ...]:
+    """The three casts' states from the op's state inputs: six tensors, or views of one packed
+    ``[3 * (L + 1)]`` tensor whose rows are (history, scale) of x, w and dy."""
+    if layout.packed_state:
+        rows = leaves[0].view(3, layout.packed_state + 1)
+        return tuple(ScalingState(r[:-1], r[-1:].view(1, 1)) for r in rows)
+    it = iter(leaves)
+    return tuple(ScalingState(next(it), next(it)) for _ in range(3))
 
 
 def _given(pair: tuple, spec: CastSpec, dtype: torch.dtype) -> Fp8Tensor:
@@ -95,7 +112,7 @@ class _LinearFn(torch.autograd.Function):
     """Outputs: y; the x and w payloads the backward reads (non-differentiable); with delayed
     scaling, the six state tensors passed on, packed in one vector (differentiable: its gradient
     is the later uses' new states; one output, so one tangent), and the x and w amaxes recorded
-    (non-differentiable, one vector)."""
+    (non-differentiable)."""
 
     @staticmethod
     def forward(x, weight, bias, p: LinearPlan, layout: _Layout, *leaves):
@@ -114,10 +131,10 @@ class _LinearFn(torch.autograd.Function):
             return out
         # plain: a replicated DTensor state (TP) would make the passed-on state a DTensor output, whose
         # tangent torch.compile expects as a DTensor even when no later use gives it one
-        passed = torch.cat([_plain(t).reshape(-1) for st in states for t in st])
-        zero = qx.scale.new_zeros(1)
-        amaxes = torch.cat([_plain(zero if x_amax is None else x_amax), _plain(zero if w_amax is None else w_amax)])
-        return out + (passed, amaxes)
+        passed = (leaves[-1].clone() if layout.packed_state else
+                  torch.cat([_plain(t).reshape(-1) for st in states for t in st]))
+        # the amaxes as outputs of their own (saved for the backward): no kernel to put them together
+        return out + (passed, _plain(x_amax), _plain(qx.scale.new_zeros(1) if w_amax is None else w_amax))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -135,7 +152,7 @@ class _LinearFn(torch.autograd.Function):
         if x_kind == "missing":
             raise ValueError(f"linear: plan {p.name!r} needs the input itself or its 'x_t' cast in the backward.")
         ctx.x_kind, ctx.w_kind = x_kind, w_kind
-        state_saved = () if states is None else (*(t for st in states for t in st), *rest[1:])
+        state_saved = () if states is None else (*leaves[len(leaves) - layout.n_state:], *rest[1:])
         ctx.save_for_backward(*x_saved, *w_saved, *state_saved)
 
     @staticmethod
@@ -143,10 +160,11 @@ class _LinearFn(torch.autograd.Function):
         p: LinearPlan = ctx.plan
         saved = ctx.saved_tensors
         x_saved, w_saved, state_saved = saved[:2], saved[2:4], saved[4:]
+        states = _states(ctx.layout, state_saved[:-2]) if state_saved else None
         dy2, dy_given = _grad_output(dy, ctx)
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        qdy, qdy_t, dy_amax = _cast_grad_output(dy2, dy_given, state_saved[4:6] if state_saved else None,
+        qdy, qdy_t, dy_amax = _cast_grad_output(dy2, dy_given, states and states[2],
                                                 need_dx and not p.grad_input.hp, need_dw and not p.grad_weight.hp, p)
         if need_dx:
             if p.grad_input.hp:
@@ -169,8 +187,8 @@ class _LinearFn(torch.autograd.Function):
                                  "use the stock RowwiseParallel for layers with a bias.")
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         given = (None,) * ctx.layout.n_given
-        states = () if not ctx.layout.delayed else _next_states(ctx, state_saved, grads[4], dy_amax)
-        return (dx, dw, db, None, None, *given, *states)
+        nexts = () if states is None else _next_states(ctx, states, state_saved, grads[4], dy_amax)
+        return (dx, dw, db, None, None, *given, *nexts)
 
     @staticmethod
     def vmap(info, in_dims, x, weight, bias, p, layout, *leaves):
@@ -254,37 +272,48 @@ def _cast_grad_output(dy2, given, state, want_first: bool, want_second: bool, p:
     return qdy, qdy_t, None
 
 
-def _next_states(ctx, saved: tuple, passed_grad, dy_amax) -> tuple:
-    """The gradients of the six state inputs: each state after this use's amax is recorded
-    (``record_merged``); ``None`` for a state this plan does not record (a dynamic weight).
+def _next_states(ctx, states: tuple[ScalingState, ...], saved: tuple, passed_grad, dy_amax) -> tuple:
+    """The gradients of the state inputs: each state after this use's amax is recorded
+    (``record_merged``). Six tensors, ``None`` for a state this plan does not record (a dynamic
+    weight); or one packed tensor, where such a state comes back unchanged.
     ``passed_grad``: the gradient of the packed state this use passed on (zeros, or None, when
     no later use read it)."""
     p: LinearPlan = ctx.plan
-    xh, xs, wh, ws, dyh, dys, amaxes = saved
-    x_amax, w_amax = amaxes[0:1], amaxes[1:2]
+    layout: _Layout = ctx.layout
+    x_amax, w_amax = saved[-2:]
     if isinstance(passed_grad, DTensor):  # a state is replicated; under TP its gradient may come as a DTensor
         passed_grad = passed_grad.full_tensor()
-    incoming = _unpack_state(passed_grad, (xh, xs, wh, ws, dyh, dys))
-    algo, sharding = p.delayed.algo, ctx.layout.sharding
-    amaxes = (_global_amax(x_amax, sharding), None if not p.delayed.weight else _global_amax(w_amax, None),
-              None if dy_amax is None else _global_amax(dy_amax, sharding))
+    algo, sharding = p.delayed.algo, layout.sharding
+    recorded = (_global_amax(x_amax, sharding), None if not p.delayed.weight else _global_amax(w_amax, None),
+                None if dy_amax is None else _global_amax(dy_amax, sharding))
     specs = (operand(p, "x").first, operand(p, "w").first, operand(p, "dy").first)
-    rows = [i for i, a in enumerate(amaxes) if a is not None]  # the states this plan records
-    mine, theirs = ((xh, xs), (wh, ws), (dyh, dys)), tuple(zip(incoming[0::2], incoming[1::2]))
+    rows = [i for i, a in enumerate(recorded) if a is not None]  # the states this plan records
+    if layout.packed_state:  # the three states as the rows of one [3, L + 1] tensor, in one computation
+        n = layout.packed_state
+        mine = saved[0].view(3, n + 1)
+        theirs = mine.new_zeros(3, n + 1) if passed_grad is None else passed_grad.view(3, n + 1)
+        # [3, 1] without a concatenation (a state not recorded takes x's amax: its row is not kept)
+        row = torch.arange(3, device=mine.device).reshape(3, 1)
+        x_a, w_a, dy_a = (recorded[0] if a is None else a for a in recorded)
+        new = record_merged_packed(mine, theirs, torch.where(row == 0, x_a, torch.where(row == 1, w_a, dy_a)),
+                                   specs, algo)
+        if len(rows) < 3:
+            new = torch.where(torch.tensor([[i in rows] for i in range(3)], device=mine.device), new, mine)
+        return (new.reshape(-1),)
+    mine = tuple(tuple(map(_plain, st)) for st in states)
+    incoming = _unpack_state(passed_grad, tuple(t for st in mine for t in st))
+    theirs = tuple(zip(incoming[0::2], incoming[1::2]))
+    out = [None] * 6
     if len({mine[i][0].numel() for i in rows}) > 1:  # histories of different lengths: one at a time
-        out = [None] * 6
         for i in rows:
-            st = record_merged(ScalingState(*map(_plain, mine[i])), ScalingState(*theirs[i]), amaxes[i], specs[i], algo)
+            st = record_merged(ScalingState(*mine[i]), ScalingState(*theirs[i]), recorded[i], specs[i], algo)
             out[2 * i], out[2 * i + 1] = st
         return tuple(out)
-    stack = lambda ts: torch.stack([_plain(t).reshape(-1) for t in ts])  # noqa: E731
-    history, scale = record_merged_stacked(
-        stack([mine[i][0] for i in rows]), stack([mine[i][1] for i in rows]),
-        stack([theirs[i][0] for i in rows]), stack([theirs[i][1] for i in rows]),
-        torch.cat([amaxes[i] for i in rows]), tuple(specs[i] for i in rows), algo)
-    out = [None] * 6
+    pack = lambda sts: torch.stack([torch.cat([h.reshape(-1), s.reshape(-1)]) for h, s in sts])  # noqa: E731
+    new = record_merged_packed(pack([mine[i] for i in rows]), pack([theirs[i] for i in rows]),
+                               torch.cat([recorded[i] for i in rows]), tuple(specs[i] for i in rows), algo)
     for j, i in enumerate(rows):
-        out[2 * i], out[2 * i + 1] = history[j], scale[j].reshape(1, 1)
+        out[2 * i], out[2 * i + 1] = new[j, :-1], new[j, -1:].reshape(1, 1)
     return tuple(out)
 
 
@@ -398,8 +427,21 @@ def _check_state(state, p: LinearPlan, x, weight) -> None:
     consume(state, "linear_delayed")
 
 
+def _check_packed_state(flat: torch.Tensor, x, weight) -> int:
+    """The history length of a packed state (see ``fp8_linear``), or raises."""
+    n = flat.numel()
+    if isinstance(flat, DTensor) or flat.ndim != 1 or flat.dtype != torch.float32 or n % 3 or n < 6:
+        raise ValueError(f"fp8_linear: a packed state is {type(flat).__name__} {tuple(flat.shape)} {flat.dtype}; "
+                         "expected a plain float32 [3 * (L + 1)] tensor (the six state tensors concatenated).")
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not flat.requires_grad \
+            and (x.requires_grad or weight.requires_grad):
+        raise ValueError("fp8_linear: the packed state does not require grad, so its update (its gradient) would "
+                         "be lost; make it require grad, or run the forward under torch.no_grad().")
+    return n // 3 - 1
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe, *,
-               state: LinearScalingState | None = None, w_casts: dict[str, Fp8Tensor] | None = None,
+               state: LinearScalingState | torch.Tensor | None = None, w_casts: dict[str, Fp8Tensor] | None = None,
                x_casts: dict[str, Fp8Tensor] | None = None,
                amax_sharding: Sharding | None = None, packed: bool = False):
     """The one FP8 linear op every entry point calls: ``(y, state passed on)``.
@@ -407,9 +449,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     ``w_casts`` / ``x_casts``: the weight's / input's casts made elsewhere (named as
     ``weight_casts(plan)`` / ``activation_casts(plan)``); the tensor then only routes the
     gradient; an ``x`` that exists only as its casts (an FP8 sequence gather) gives them itself,
-    read inside the op. ``state``: the delayed-scaling state (a delayed plan needs one, a dynamic one none).
+    read inside the op. ``state``: the delayed-scaling state (a delayed plan needs one, a dynamic one none):
+    a ``LinearScalingState``, or its six tensors packed in one float32 ``[3 * (L + 1)]`` (rows
+    (history, scale) of x, w, dy: ``torch.cat`` of ``state.tensors()`` flattened), whose gradient is
+    then the packed next state (one tensor for autograd to accumulate instead of six).
     ``packed``: the state passed on as the one flat tensor the op returns (``unpack_state``
-    makes it a ``LinearScalingState``), which a compiled caller hands on without six views.
+    makes it a ``LinearScalingState``), which a compiled caller hands on without six views; always
+    so for a packed ``state``.
     """
     p = plan(recipe)
     _check_args(x, weight, bias, p)
@@ -426,17 +472,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     x_names, x_leaves = _leaves(x_casts, activation_casts(p), "input", p)
     if x_inside:
         x_names = tuple(name for name, _ in activation_casts(p))
-    states = ()
-    if state is not None:
+    states, packed_len = (), 0
+    if isinstance(state, torch.Tensor):
+        packed_len = _check_packed_state(state, x, weight)
+        states = (state,)
+    elif state is not None:
         _check_state(state, p, x, weight)
         states = tuple(t for st in state for t in st)
-    layout = _Layout(w_names, x_names, state is not None,
+    layout = _Layout(w_names, x_names, state is not None, packed_len,
                      _forward_transposes(x, weight, p, bool(x_names), bool(w_names)),
                      amax_sharding if state is not None else None, x_inside)
     out = _LinearFn.apply(x, weight, bias, p, layout, *w_leaves, *x_leaves, *states)
     if state is None:
         return out[0], None
-    return out[0], out[5] if packed else unpack_state(out[5], state)
+    return out[0], out[5] if packed or packed_len else unpack_state(out[5], state)
 
 
 def unpack_state(flat: torch.Tensor, like: LinearScalingState) -> LinearScalingState:

@@ -176,27 +176,33 @@ def record_merged(state: ScalingState, incoming: ScalingState, amax: torch.Tenso
     return ScalingState(history, _rescaled(history, basis, fallback, spec))
 
 
-def record_merged_stacked(history: torch.Tensor, scale: torch.Tensor, g_history: torch.Tensor, g_scale: torch.Tensor,
-                          amax: torch.Tensor, specs: tuple[CastSpec, ...], algo: str = "max"):
-    """``record_merged`` for R states at once (``linear``'s three, in one fused computation):
-    ``history`` / ``g_history`` ``[R, L]``, ``scale`` / ``g_scale`` ``[R, 1]``, ``amax`` ``[R]``;
-    returns the R new ``(history [R, L], scale [R, 1])``, bitwise ``record_merged`` of each."""
+def record_merged_packed(mine: torch.Tensor, theirs: torch.Tensor, amax: torch.Tensor, specs: tuple[CastSpec, ...],
+                         algo: str = "max") -> torch.Tensor:
+    """``record_merged`` for R states packed as the rows ``(history [L], scale)`` of ``[R, L + 1]``
+    tensors (``linear``'s three, in one computation): ``mine`` the states used, ``theirs`` the
+    gradients passed on, ``amax [R]`` (or ``[R, 1]``); returns the R new states packed the same
+    way, bitwise ``record_merged`` of each. Pointwise over the rows and one row maximum, without
+    concatenations, so that a compiled backward does it in one kernel."""
+    n = mine.shape[1] - 1
+    col = torch.arange(n + 1, device=mine.device)
+    first, in_history = col == 0, col < n
     amax = amax.reshape(-1, 1).float()
-    later = g_scale > 0
-    merged_h = torch.cat([torch.maximum(g_history[:, :1], amax), g_history[:, 1:]], 1)
-    fresh_h = torch.cat([amax, history[:, :-1]], 1)
-    new_history = torch.where(later, merged_h, fresh_h)
-    fallback = torch.where(later, g_scale, scale)
-    basis = new_history.amax(1, keepdim=True) if algo == "max" else new_history[:, :1]
+    later = theirs[:, n:] > 0
+    fresh = torch.where(first, amax, mine.roll(1, 1))  # amax, then the history shifted by one
+    merged = torch.where(first, torch.maximum(theirs, amax), theirs)  # the newest entry merged by max
+    new = torch.where(later, merged, fresh)
+    basis = torch.where(in_history, new, -torch.inf).amax(1, keepdim=True) if algo == "max" else new[:, :1]
+    fallback = torch.where(later, theirs[:, n:], mine[:, n:])
     # compute_scale per state: the same fp32 constants, the same rounding
     inv_max = basis.new_tensor([[1.0 / fp8_max(sp.dtype)] for sp in specs])
-    fresh = basis.clamp(min=EPS) * inv_max
+    scale = basis.clamp(min=EPS) * inv_max
     flags = [sp.pow2_scales for sp in specs]
     if all(flags):
-        fresh = round_up_to_pow2(fresh)
+        scale = round_up_to_pow2(scale)
     elif any(flags):
-        fresh = torch.where(torch.tensor([[f] for f in flags], device=basis.device), round_up_to_pow2(fresh), fresh)
-    return new_history, torch.where(torch.isfinite(basis) & (basis > 0), fresh, fallback)
+        scale = torch.where(torch.tensor([[f] for f in flags], device=basis.device), round_up_to_pow2(scale), scale)
+    scale = torch.where(torch.isfinite(basis) & (basis > 0), scale, fallback)
+    return torch.where(in_history, new, scale)
 
 
 # States a linear_delayed call has consumed (eager and torch.func; compiled code is traced once and

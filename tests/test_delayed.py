@@ -541,21 +541,93 @@ def test_activation_checkpointing_compiled_around_is_bitwise_eager():
        later=st.lists(st.booleans(), min_size=3, max_size=3), history_len=st.integers(1, 4),
        algo=st.sampled_from(["max", "most_recent"]), pow2=st.lists(st.booleans(), min_size=3, max_size=3),
        seed=st.integers(0, 2**16))
-def test_the_stacked_state_update_is_bitwise_the_one_state_update(amaxes, later, history_len, algo, pow2, seed):
-    """``linear``'s backward updates its three states in one stacked computation
-    (``record_merged_stacked``); its obviously-right twin is ``record_merged``, one state at a time."""
-    from fp8func._delayed import record_merged_stacked
+def test_the_packed_state_update_is_bitwise_the_one_state_update(amaxes, later, history_len, algo, pow2, seed):
+    """``linear``'s backward updates its three states in one computation over their packed rows
+    (``record_merged_packed``); its obviously-right twin is ``record_merged``, one state at a time."""
+    from fp8func._delayed import record_merged_packed
 
     g = torch.Generator().manual_seed(seed)
     specs = tuple(f8.CastSpec(d, power_of_2=p) for d, p in zip((f8.E4M3, f8.E4M3, f8.E5M2), pow2))
     mine = [ScalingState(torch.rand(history_len, generator=g) * 100, torch.rand(1, 1, generator=g)) for _ in range(3)]
     theirs = [ScalingState(torch.rand(history_len, generator=g) * 100, torch.rand(1, 1, generator=g) + 0.1) if lt
               else ScalingState(torch.zeros(history_len), torch.zeros(1, 1)) for lt in later]
+    pack = lambda sts: torch.stack([torch.cat([st.amax_history, st.scale.reshape(1)]) for st in sts])  # noqa: E731
     a = torch.tensor(amaxes)
-    h, s = record_merged_stacked(torch.stack([m.amax_history for m in mine]), torch.cat([m.scale for m in mine]),
-                                 torch.stack([t.amax_history for t in theirs]), torch.cat([t.scale for t in theirs]),
-                                 a, specs, algo)
+    new = record_merged_packed(pack(mine), pack(theirs), a, specs, algo)
+    h, s = new[:, :-1], new[:, -1:]
     for i in range(3):
         want = record_merged(mine[i], theirs[i], a[i], specs[i], algo)
         assert torch.equal(h[i].nan_to_num(7.0), want.amax_history.nan_to_num(7.0))
         assert torch.equal(s[i].reshape(1, 1), want.scale)
+
+
+@pytest.mark.parametrize("weight,compiled", [(True, False), (False, False), (False, True)])
+def test_packed_state_is_bitwise_the_six_state_tensors(weight, compiled):
+    """The op takes the state as six tensors or packed in one (``Fp8Linear``'s one autograd leaf
+    per layer): the same outputs and gradients, and the packed gradient is the six gradients
+    concatenated (a state not recorded, a dynamic weight's, comes back unchanged), threaded
+    through a second use too."""
+    from fp8func._autograd import fp8_linear
+
+    torch._dynamo.reset()
+    x, w, dy = _data(5)
+    state = _warm_state(x, w * 3, dy)
+    recipe = f8.Recipe.from_name("delayed", delayed=f8.DelayedScaling(4, weight=weight))
+
+    def two_uses(x, w, st):
+        y1, passed = fp8_linear(x, w, None, recipe, state=st, packed=True)
+        if not isinstance(st, torch.Tensor):
+            passed = f8.nn._apply.unpack_state(passed, st)
+        y2, _ = fp8_linear(x * 2, w, None, recipe, state=passed, packed=True)
+        return y1 + y2
+
+    fn = torch.compile(two_uses, fullgraph=True) if compiled else two_uses
+    six = _fresh(state)
+    packed = torch.cat([t.detach().reshape(-1) for t in state.tensors()]).requires_grad_()
+    ww1, ww2 = w.clone().requires_grad_(), w.clone().requires_grad_()
+    fn(x, ww1, six).backward(dy)
+    fn(x, ww2, packed).backward(dy)
+    assert torch.equal(ww1.grad, ww2.grad)
+    want = [t.grad if t.grad is not None else t.detach() for t in six.tensors()]
+    assert (six.weight.scale.grad is None) == (not weight)
+    assert torch.equal(packed.grad, torch.cat([t.reshape(-1) for t in want]))
+
+
+def test_fp8_linear_state_is_one_autograd_leaf_per_layer():
+    """A delayed ``Fp8Linear`` keeps its six state buffers as views of one packed tensor, the one
+    leaf autograd accumulates the next state into (not six), and packs them again when something
+    replaces them (``load_state_dict(assign=True)``, a deep copy); ``.bfloat16()`` leaves the state
+    float32. Every way trains to the same state."""
+    import copy
+
+    def packed(layer):
+        ts = layer.scaling_state().tensors()
+        base = layer._packed
+        return (base is not None and base.requires_grad and not any(t.requires_grad for t in ts)
+                and all(t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() for t in ts))
+
+    def step(layer, x):
+        layer(x).float().pow(2).sum().backward()
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 64).bfloat16()
+    layer = f8.nn.Fp8Linear(64, 32, bias=False, recipe="delayed").bfloat16()  # the state stays float32
+    assert packed(layer) and layer.weight.dtype == torch.bfloat16 and layer.fp8_x_scale.dtype == torch.float32
+    step(layer, x)
+    ref = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert packed(layer) and layer._packed.grad is None and layer.fp8_x_history[0] > 0
+    old = layer._packed
+    layer.to(torch.bfloat16)
+    assert packed(layer) and layer._packed is old  # nothing to move
+    copied = copy.deepcopy(layer)
+    assert packed(copied) and copied._packed is not layer._packed
+    loaded = f8.nn.Fp8Linear(64, 32, bias=False, recipe="delayed")
+    loaded.load_state_dict({k: v.clone() for k, v in ref.items()}, assign=True)
+    assert packed(loaded)
+    for other in (copied, loaded):
+        assert all(torch.equal(other.state_dict()[k], ref[k]) for k in ref)
+    for m in (layer, copied, loaded):
+        step(m, x * 3)
+    for k in ref:
+        assert torch.equal(copied.state_dict()[k], layer.state_dict()[k])
+        assert torch.equal(loaded.state_dict()[k], layer.state_dict()[k])

@@ -48,7 +48,8 @@ class Fp8Linear(nn.Linear):
 
     With a delayed-scaling recipe (``"delayed"``) the layer holds its ``LinearScalingState`` as
     buffers (``fp8_{x,w,dy}_{history,scale}``: in the state_dict and checkpoints, never seen by
-    the optimizer). The forward casts with them and never changes them; the next step's state
+    the optimizer; views of one packed tensor, autograd's one state leaf per layer, float32 through
+    ``.to(dtype)``). The forward casts with them and never changes them; the next step's state
     arrives as their gradient in the backward ("overwrite with gradient") and is written into
     them as soon as it is accumulated (a post-accumulate-grad hook). So activation checkpointing
     recomputes exactly the forward's casts, and a forward without a backward (evaluation)
@@ -82,7 +83,7 @@ class Fp8Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  recipe: Recipe | str = "tensorwise", fsdp_fp8_all_gather: bool = True, fp8_weights: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._pending, self._in_apply = None, False  # instance attributes: compile guards stay stable
+        self._pending, self._in_apply, self._packed = None, False, None  # instance attributes: stable guards
         self.recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
         self.fsdp_fp8_all_gather = fsdp_fp8_all_gather
         self.fp8_weights = fp8_weights
@@ -106,27 +107,51 @@ class Fp8Linear(nn.Linear):
         self._hook_grad_output_state()
 
     def _hook_grad_output_state(self) -> None:
-        """The next state comes back as the gradient of the state buffers: make them require grad,
-        and hook one of them (the input's scale, which every delayed plan records) to write all of
-        them at the end of the backward (``_write_states``).
+        """The next state comes back as the gradient of the state: make it require grad, and hook it
+        to be written into the buffers at the end of the backward (``_write_states``).
 
+        The six buffers are views of one packed tensor (``fp8_linear``'s packed state), the one
+        leaf autograd accumulates the next state into. Buffers something replaced (``.to()``,
+        ``load_state_dict(assign=True)``, a copy, FSDP2 moving them) are packed again, their values
+        kept. Replicated DTensor buffers (tensor parallel), and states of other dtypes or history
+        lengths than ``LinearScalingState.init`` makes, stay six leaves, the input's scale hooked.
         Hooks live on tensors and are not copied with them, so the layer remembers (weakly) which
-        buffer it hooked: a deepcopy, a pickle or ``.to()`` hooks the new one."""
+        tensor it hooked."""
         state = self.scaling_state()
         if state is None or state.input.scale.is_meta:
             return
-        for t in state.tensors():
-            if not t.requires_grad:
-                t.requires_grad_(True)
+        tensors = state.tensors()
+        if any(isinstance(t, DTensor) or t.dtype != torch.float32 for t in tensors) \
+                or len({st.amax_history.numel() for st in state}) > 1:
+            self._packed = None
+            for t in tensors:
+                if not t.requires_grad:
+                    t.requires_grad_(True)
+            leaf = state.input.scale
+        else:
+            leaf = self.__dict__.get("_packed")
+            if leaf is None or not all(getattr(t, "_fp8func_hooked", None) is _HOOKED for t in tensors):
+                leaf = torch.cat([t.detach().reshape(-1) for t in tensors]).requires_grad_()
+                for name, view in zip(self._state_names(), unpack_state(leaf.detach(), state).tensors()):
+                    view._fp8func_hooked = _HOOKED
+                    self._buffers[name] = view
+                self._packed = leaf
         hooked = self.__dict__.get("_hooked_state")
-        if hooked is not None and hooked() is state.input.scale:
+        if hooked is not None and hooked() is leaf:
             return
-        state.input.scale.register_post_accumulate_grad_hook(_StateGradHook(self))
-        self._hooked_state = weakref.ref(state.input.scale)
-        state.input.scale._fp8func_hooked = _HOOKED  # what a compiled forward can read (see _Hooked)
+        leaf.register_post_accumulate_grad_hook(_StateGradHook(self))
+        self._hooked_state = weakref.ref(leaf)
+        self.fp8_x_scale._fp8func_hooked = _HOOKED  # what a compiled forward can read (see _Hooked)
 
     def _apply(self, fn, recurse=True):
+        state = self.scaling_state()
         out = super()._apply(fn, recurse)
+        if state is not None:
+            # A delayed-scaling state is float32 (amaxes and scales): .to(dtype) / .bfloat16() move it, not cast it.
+            for name, old in zip(self._state_names(), state.tensors()):
+                new = self._buffers[name]
+                if new.dtype != old.dtype:
+                    self._buffers[name] = old if old.device == new.device else old.detach().to(new.device)
         self._hook_grad_output_state()  # .to() / .cuda() / to_empty() make new buffer tensors
         return out
 
@@ -135,6 +160,18 @@ class Fp8Linear(nn.Linear):
         or its buffers' (None for dynamic scaling)."""
         state = self.scaling_state()
         return state if self._pending is None else unpack_state(self._pending, state)
+
+    def _state_input(self) -> LinearScalingState | torch.Tensor:
+        """What the op takes as the state: the packed state (the one passed on, or the packed
+        buffers) where the buffers are packed and hooked, else the six tensors."""
+        if self._in_apply or self._packed is None:
+            return self.passed_state()
+        return self._packed if self._pending is None else self._pending
+
+    @classmethod
+    def _state_names(cls) -> list[str]:
+        """The state buffers' names, in ``LinearScalingState.tensors()`` order."""
+        return [f"fp8_{n}_{kind}" for n in cls._STATE for kind in ("history", "scale")]
 
     def scaling_state(self) -> LinearScalingState | None:
         """The layer's delayed-scaling state (views of its buffers), or None for dynamic scaling."""
@@ -208,6 +245,7 @@ class Fp8Linear(nn.Linear):
         if master is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(master.shape):
             with torch.no_grad():  # the masters take the loaded values: the next step re-quantizes from them
                 master.copy_(value)
+        self._hook_grad_output_state()  # load_state_dict(assign=True) puts new state tensors in place
 
     def __getstate__(self):
         state = super().__getstate__().copy()
@@ -215,6 +253,7 @@ class Fp8Linear(nn.Linear):
         # the hooked buffer is a weak reference to this layer's own tensor.
         state.pop("_pending", None)
         state.pop("_hooked_state", None)
+        state.pop("_packed", None)  # the copy's buffers are packed again (_hook_grad_output_state)
         master = self.master_weight()
         state["_master"] = None  # a copy is not trained by the original's MasterWeights
         w = self._parameters.get("weight")
@@ -226,7 +265,7 @@ class Fp8Linear(nn.Linear):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._pending = None
+        self._pending, self._packed = None, None
         self.__dict__.setdefault("_in_apply", False)
         kind, w = self._weight_kind(), self._parameters.get("weight")
         if kind is not None and isinstance(w, torch.Tensor) and weight_kind(w) != kind:
@@ -301,9 +340,8 @@ class Fp8Linear(nn.Linear):
                 "replaced them after convert (parallelize_module makes them replicated DTensors), and compiled code "
                 "cannot hook the new ones, so the next states would never be written. Call "
                 "fp8func.nn.hook_scaling_states(model) after parallelize_module and before the first compiled step.")
-        state = self.passed_state()
         # packed: the state passed on stays one tensor (a compiled forward's one output, not six views)
-        y, passed = fp8_linear(x, w, self.bias, self.recipe, state=state, w_casts=w_casts,
+        y, passed = fp8_linear(x, w, self.bias, self.recipe, state=self._state_input(), w_casts=w_casts,
                                amax_sharding=self.amax_sharding, packed=True)
         if torch.is_grad_enabled():
             self._pending = passed
@@ -357,6 +395,14 @@ def _write_states() -> None:
     fresh again). At the end of the backward, every state gradient has been accumulated."""
     targets, values = [], []
     for layer in _TO_WRITE:
+        layer._pending = None
+        packed = layer._packed
+        if packed is not None:  # one leaf (a state not recorded comes back unchanged)
+            if packed.grad is not None:
+                targets.append(packed.detach())
+                values.append(packed.grad)
+                packed.grad = None
+            continue
         state = layer.scaling_state()
         for t in state.tensors():
             if t.grad is None:  # a state the plan does not record (a dynamic weight)
@@ -365,7 +411,6 @@ def _write_states() -> None:
             targets.append(t.to_local() if isinstance(t, DTensor) else t)
             values.append(t.grad.full_tensor() if isinstance(t.grad, DTensor) else t.grad)
             t.grad = None
-        layer._pending = None
         refresh(state)
     _TO_WRITE.clear()
     if targets:
