@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import pathlib
 import platform
 import statistics
 import sys
@@ -47,11 +48,20 @@ def back_to_back_ms(fn: Callable[[], object], *, warmup: int = 10, iters: int = 
     return statistics.median(times)
 
 
+def _program() -> str:
+    """How the running command was started, without this machine's paths: ``python -m
+    fp8func.bench`` for the bench, else ``python`` and the script's name."""
+    script = pathlib.PurePath(sys.argv[0])
+    if script.parts[-3:] == ("fp8func", "bench", "__main__.py"):
+        return "python -m fp8func.bench"
+    return f"python {script.name}"
+
+
 def environment() -> dict[str, str]:
     """What a reader needs to reproduce a figure: command, device, versions, date."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     return {
-        "command": " ".join(["python"] + sys.argv),
+        "command": " ".join([_program()] + sys.argv[1:]),
         "device": device,
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
