@@ -5,6 +5,7 @@ tiles every GEMM), eager unless the test is about compiling; the figures are not
 logic is: configurations, converted layers, losses, the JSON the docs are built from.
 """
 
+import dataclasses
 import json
 import math
 
@@ -66,6 +67,19 @@ def test_model_bench_runs_every_fp8func_config_and_writes_json(tmp_path, capsys)
     assert "bf16 parameters" in out["setup"] and "lm_head bf16" in out["setup"]
     printed = capsys.readouterr().out
     assert "| config | FP8 linears | ms/step |" in printed and "| blockwise | 14/15 |" in printed
+
+
+def test_fastfwd_model_configs_run_the_output_gemm_in_fast_accumulation():
+    """``<recipe>+fastfwd``: the recipe with its output GEMM in fast accumulation, the GEMM
+    configuration of torchao's tensorwise, compared with it; under FSDP2 a delayed weight is
+    cast dynamically, as for the plain recipe."""
+    for name in ("tensorwise+fastfwd", "delayed+fastfwd"):
+        base = f8.Recipe.from_name(name.removesuffix("+fastfwd"))
+        assert _model.fp8func_recipe(_model.CONFIGS[name][1]) == dataclasses.replace(base, fast_accum=("output",))
+        assert _model.torchao_peer(name) == "torchao-tensorwise"
+    assert _model.fp8func_recipe("delayed+fastfwd", fsdp=True).delayed.weight is False
+    assert _model.fp8func_recipe("delayed", fsdp=True) == f8.Recipe.from_name(
+        "delayed", delayed=f8.DelayedScaling(weight=False))
 
 
 @pytest.mark.slow

@@ -55,6 +55,8 @@ CONFIGS = {
     "rowwise": ("fp8func", "rowwise", None),
     "blockwise": ("fp8func", "blockwise", None),
     "delayed": ("fp8func", "delayed", None),
+    "tensorwise+fastfwd": ("fp8func", "tensorwise+fastfwd", None),
+    "delayed+fastfwd": ("fp8func", "delayed+fastfwd", None),
     "auto": ("fp8func", "tensorwise", "auto"),
 }
 COMPILE_STEPS = 5  # the first step compiles; the four after it show any recompilation
@@ -87,10 +89,13 @@ def batches(spec: dict, device, n: int = 4, seed: int = 0) -> list[torch.Tensor]
 
 
 def fp8func_recipe(recipe: str, fsdp: bool = False) -> f8.Recipe:
-    """Under FSDP2, delayed scaling casts the weight dynamically, so that FSDP2 gathers it in FP8."""
-    if recipe == "delayed" and fsdp:
-        return f8.Recipe.from_name("delayed", delayed=f8.DelayedScaling(weight=False))
-    return f8.Recipe.from_name(recipe)
+    """The recipe of a configuration (``<recipe>+fastfwd``: the output GEMM in fast accumulation,
+    as torchao's tensorwise configuration runs it). Under FSDP2, delayed scaling casts the weight
+    dynamically, so that FSDP2 gathers it in FP8."""
+    r = parse_recipe(recipe)[1]
+    if r.delayed is not None and fsdp:
+        return dataclasses.replace(r, delayed=dataclasses.replace(r.delayed, weight=False))
+    return r
 
 
 def convert(model, name: str, *, fp8_lm_head: bool, tokens: int, fsdp_fp8_all_gather: bool | None = None,

@@ -119,6 +119,7 @@ class Fp8Linear(nn.Linear):
         tensor it hooked."""
         state = self.scaling_state()
         if state is None or state.input.scale.is_meta:
+            self._packed = None  # packed once the buffers hold values
             return
         tensors = state.tensors()
         if any(isinstance(t, DTensor) or t.dtype != torch.float32 for t in tensors) \
