@@ -31,7 +31,7 @@ from ._linear import Fp8Linear
 
 __all__ = ["apply", "next_states", "scaling_states"]
 
-_NAMES = tuple(f"fp8_{role}_{kind}" for role in Fp8Linear._STATE for kind in ("history", "scale"))
+_NAMES = tuple(Fp8Linear._state_names())
 
 
 def scaling_states(model: nn.Module) -> dict[str, torch.Tensor]:

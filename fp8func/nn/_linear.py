@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._autograd import fp8_linear, unpack_state
-from .._delayed import LinearScalingState, ScalingState, refresh
+from .._delayed import LinearScalingState, refresh
 from .._gathered import casts_only, gathered_casts
 from .._scaling import Recipe
 from ._weights import FP8_ALL_GATHER, FP8_WEIGHTS, check_fp8_weights_recipe, hp_weight, local_of, weight_kind, \
@@ -101,9 +101,8 @@ class Fp8Linear(nn.Linear):
 
     def _init_state(self, device) -> None:
         state = LinearScalingState.init(self.recipe.delayed.history_len, device)
-        for name, st in zip(self._STATE, state):
-            self.register_buffer(f"fp8_{name}_history", st.amax_history)
-            self.register_buffer(f"fp8_{name}_scale", st.scale)
+        for name, t in zip(self._state_names(), state.tensors()):
+            self.register_buffer(name, t)
         self._hook_grad_output_state()
 
     def _hook_grad_output_state(self) -> None:
@@ -178,8 +177,7 @@ class Fp8Linear(nn.Linear):
         """The layer's delayed-scaling state (views of its buffers), or None for dynamic scaling."""
         if self.recipe.delayed is None:
             return None
-        return LinearScalingState(*(ScalingState(getattr(self, f"fp8_{n}_history"), getattr(self, f"fp8_{n}_scale"))
-                                    for n in self._STATE))
+        return LinearScalingState.from_tensors(getattr(self, name) for name in self._state_names())
 
     @classmethod
     def from_linear(cls, linear_: nn.Linear, recipe: Recipe, fsdp_fp8_all_gather: bool = True,
