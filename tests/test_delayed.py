@@ -567,7 +567,7 @@ def test_packed_state_is_bitwise_the_six_state_tensors(weight, compiled):
     per layer): the same outputs and gradients, and the packed gradient is the six gradients
     concatenated (a state not recorded, a dynamic weight's, comes back unchanged), threaded
     through a second use too."""
-    from fp8func._autograd import fp8_linear
+    from fp8func._autograd import fp8_linear, unpack_state
 
     torch._dynamo.reset()
     x, w, dy = _data(5)
@@ -577,7 +577,7 @@ def test_packed_state_is_bitwise_the_six_state_tensors(weight, compiled):
     def two_uses(x, w, st):
         y1, passed = fp8_linear(x, w, None, recipe, state=st, packed=True)
         if not isinstance(st, torch.Tensor):
-            passed = f8.nn._apply.unpack_state(passed, st)
+            passed = unpack_state(passed, st)
         y2, _ = fp8_linear(x * 2, w, None, recipe, state=passed, packed=True)
         return y1 + y2
 
