@@ -631,3 +631,17 @@ def test_fp8_linear_state_is_one_autograd_leaf_per_layer():
     for k in ref:
         assert torch.equal(copied.state_dict()[k], layer.state_dict()[k])
         assert torch.equal(loaded.state_dict()[k], layer.state_dict()[k])
+
+
+def test_a_state_that_cannot_be_packed_stays_six_leaves_and_says_so(caplog):
+    """A state of unequal history lengths (set by hand) cannot be packed: the layer keeps six
+    leaves, logs it, and still writes the next state into its buffers."""
+    import logging
+
+    layer = f8.nn.Fp8Linear(64, 32, bias=False, recipe="delayed")
+    layer.fp8_w_history = torch.zeros(3)  # another length than the input's and grad_output's
+    x = torch.randn(4, 16, 64)
+    with caplog.at_level(logging.DEBUG, logger="fp8func"):
+        layer(x).pow(2).sum().backward()
+    assert layer._packed is None and "six autograd leaves" in caplog.text
+    assert layer.fp8_x_history[0] > 0 and layer.fp8_w_history[0] > 0 and layer.fp8_x_history.grad is None

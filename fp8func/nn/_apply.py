@@ -31,13 +31,11 @@ from ._linear import Fp8Linear
 
 __all__ = ["apply", "next_states", "scaling_states"]
 
-_NAMES = tuple(Fp8Linear._state_names())
-
 
 def scaling_states(model: nn.Module) -> dict[str, torch.Tensor]:
     """The delayed-scaling states of ``model``'s layers, by buffer name (detached views):
     the ``states`` that ``apply`` takes. Empty for a model without delayed scaling."""
-    return {name: t.detach() for name, t in model.named_buffers() if name.rpartition(".")[2] in _NAMES}
+    return {name: t.detach() for name, t in model.named_buffers() if name.rpartition(".")[2] in Fp8Linear._STATE_NAMES}
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -17,6 +18,8 @@ from ._weights import FP8_ALL_GATHER, FP8_WEIGHTS, check_fp8_weights_recipe, hp_
     weight_type, wrap_weight
 
 __all__ = ["Fp8Linear"]
+
+log = logging.getLogger("fp8func")
 
 
 class _Hooked:
@@ -69,6 +72,8 @@ class Fp8Linear(nn.Linear):
     """
 
     _STATE = ("x", "w", "dy")
+    # the state buffers' names, in LinearScalingState.tensors() order
+    _STATE_NAMES = tuple(f"fp8_{n}_{kind}" for n in _STATE for kind in ("history", "scale"))
     note = ""  # convert()'s note on this layer (auto figures, a tied weight gathered in bf16, ...)
     conversion = None  # the Report of the convert() call that made this layer (report(model) reads it)
     _master = None  # a weak reference to the master MasterWeights trains for an FP8 weight (master_weight)
@@ -101,7 +106,7 @@ class Fp8Linear(nn.Linear):
 
     def _init_state(self, device) -> None:
         state = LinearScalingState.init(self.recipe.delayed.history_len, device)
-        for name, t in zip(self._state_names(), state.tensors()):
+        for name, t in zip(self._STATE_NAMES, state.tensors()):
             self.register_buffer(name, t)
         self._hook_grad_output_state()
 
@@ -132,13 +137,16 @@ class Fp8Linear(nn.Linear):
             leaf = self.__dict__.get("_packed")
             if leaf is None or not all(getattr(t, "_fp8func_hooked", None) is _HOOKED for t in tensors):
                 leaf = torch.cat([t.detach().reshape(-1) for t in tensors]).requires_grad_()
-                for name, view in zip(self._state_names(), unpack_state(leaf.detach(), state).tensors()):
+                for name, view in zip(self._STATE_NAMES, unpack_state(leaf.detach(), state).tensors()):
                     view._fp8func_hooked = _HOOKED
                     self._buffers[name] = view
                 self._packed = leaf
         hooked = self.__dict__.get("_hooked_state")
         if hooked is not None and hooked() is leaf:
             return
+        if self._packed is None:
+            log.debug("fp8func: a delayed-scaling Fp8Linear keeps its state as six autograd leaves (its buffers are "
+                      "DTensors, or not float32, or of unequal history lengths): the same numbers, more host time.")
         leaf.register_post_accumulate_grad_hook(_StateGradHook(self))
         self._hooked_state = weakref.ref(leaf)
         self.fp8_x_scale._fp8func_hooked = _HOOKED  # what a compiled forward can read (see _Hooked)
@@ -148,7 +156,7 @@ class Fp8Linear(nn.Linear):
         out = super()._apply(fn, recurse)
         if state is not None:
             # A delayed-scaling state is float32 (amaxes and scales): .to(dtype) / .bfloat16() move it, not cast it.
-            for name, old in zip(self._state_names(), state.tensors()):
+            for name, old in zip(self._STATE_NAMES, state.tensors()):
                 new = self._buffers[name]
                 if new.dtype != old.dtype:
                     self._buffers[name] = old if old.device == new.device else old.detach().to(new.device)
@@ -168,16 +176,11 @@ class Fp8Linear(nn.Linear):
             return self.passed_state()
         return self._packed if self._pending is None else self._pending
 
-    @classmethod
-    def _state_names(cls) -> list[str]:
-        """The state buffers' names, in ``LinearScalingState.tensors()`` order."""
-        return [f"fp8_{n}_{kind}" for n in cls._STATE for kind in ("history", "scale")]
-
     def scaling_state(self) -> LinearScalingState | None:
         """The layer's delayed-scaling state (views of its buffers), or None for dynamic scaling."""
         if self.recipe.delayed is None:
             return None
-        return LinearScalingState.from_tensors(getattr(self, name) for name in self._state_names())
+        return LinearScalingState.from_tensors(getattr(self, name) for name in self._STATE_NAMES)
 
     @classmethod
     def from_linear(cls, linear_: nn.Linear, recipe: Recipe, fsdp_fp8_all_gather: bool = True,
