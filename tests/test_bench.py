@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fp8func as f8
-from fp8func.bench import _fsdp, _model
+from fp8func.bench import _fsdp, _model, _timeline
 from fp8func.bench.__main__ import main as bench_main
 
 TINY = ["--model", "tiny", "--iters", "1", "--warmup", "0"]
@@ -155,6 +155,38 @@ def test_profile_kernel_classes(name, cls):
     assert _model.kernel_class(name) == cls
 
 
+def test_timeline_summary_finds_where_the_gpu_waited_for_the_host():
+    """Two layers: the host makes the forward's marks as the GPU reaches them (host-bound), and
+    runs ahead through the backward (GPU-bound)."""
+    marks = [("start", 0.0, 0.0), ("f0", 1.0, 1.0), ("f1", 3.0, 3.05), ("norm", 5.0, 5.0),
+             ("b1", 6.0, 9.0), ("b0", 6.5, 14.0), ("end", 7.0, 16.0)]
+    t = _timeline.summarize(marks)
+    assert t["forward"] == {"host_ms": 4.0, "gpu_ms": 4.0, "lag_ms": 0.0}
+    assert t["backward"] == {"host_ms": 0.5, "gpu_ms": 5.0, "lag_ms": 7.5}
+    assert t["first_layer_gpu_ms"] == 1.0 and t["step_gpu_ms"] == 16.0
+    assert _timeline._median([t, dict(t, step_gpu_ms=20.0), dict(t, step_gpu_ms=18.0)])["step_gpu_ms"] == 18.0
+    lines = _timeline.table([{"config": "bf16"}, {"config": "tensorwise", "timeline": t}])
+    assert lines[-1] == "| tensorwise | 4.0 / 4.0 | 0.0 | 0.5 / 5.0 | 7.5 | 1.0 | 16.0 |"
+
+
+def test_timeline_marks_leave_a_layer_unchanged():
+    """The wrapper marks the forward and, through a hook on the output, the backward, and changes
+    neither the output nor any gradient."""
+
+    class Names(list):
+        add = list.append
+
+    torch.manual_seed(0)
+    layer, x, names = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True), Names()
+    y = _timeline._Marked(layer, 3, names)(x)
+    assert torch.equal(y, layer(x)) and names == ["f3"]
+    y.square().sum().backward()
+    grads = [x.grad.clone(), layer.weight.grad.clone()]
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    layer(x).square().sum().backward()
+    assert names == ["f3", "b3"] and torch.equal(grads[0], x.grad) and torch.equal(grads[1], layer.weight.grad)
+
+
 def test_bench_entries_refuse_unknown_configs_and_cpu_profiles(capsys):
     with pytest.raises(SystemExit):
         _model.main([*TINY, "--configs", "bf16,fp4"])
@@ -162,3 +194,7 @@ def test_bench_entries_refuse_unknown_configs_and_cpu_profiles(capsys):
     with pytest.raises(SystemExit):
         _fsdp.main([*TINY, "--device", "cpu", "--profile"])
     assert "--profile reads GPU kernel times" in capsys.readouterr().err
+    for args in (["--device", "cpu", "--timeline"], ["--device", "cuda", "--compile", "model", "--timeline"]):
+        with pytest.raises(SystemExit):
+            _model.main([*TINY, *args])
+        assert "--timeline marks each decoder layer" in capsys.readouterr().err

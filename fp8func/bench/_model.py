@@ -15,7 +15,8 @@ steps and ``--warmup`` more; speedups over bf16 and over torchao's same recipe; 
 (the first step, and the four after it, whose recompilations show there); peak GPU memory; the
 loss at the last step next to bf16's; the linear layers each configuration put in FP8.
 ``--profile``: the GPU time of a step by kernel class (``torch.profiler``; the JSON also lists
-the largest kernels by name with their class). The lm_head stays
+the largest kernels by name with their class). ``--timeline``: whether the GPU waits for the host
+in the layers' forward or backward (``_timeline``, CUDA events, no profiler). The lm_head stays
 bf16 unless ``--fp8-lm-head``. The batches are tokens drawn from a Zipf law over the first 8192
 ids, so that the loss falls within a few steps.
 """
@@ -39,6 +40,8 @@ import torch
 import fp8func as f8
 
 from ._linear import parse_recipe
+from ._timeline import table as timeline_table
+from ._timeline import timeline
 from ._timing import median_ms
 
 MODELS = {
@@ -278,6 +281,8 @@ def run_config(name: str, spec: dict, args, data) -> dict:
     opt = optimizer(model, args)
     row = {"config": name, "library": lib, "recipe": recipe, "filter": filt, "fp8_linears": fp8, "linears": linears}
     probes = {"profile_ms": profile_classes} if args.profile else {}
+    if getattr(args, "timeline", False):
+        probes["timeline"] = lambda step: timeline(model, step)
     row.update(measure(model, opt, data, args.device, warmup=args.warmup, iters=args.iters, probes=probes))
     row["tokens_per_s"] = tokens / row["step_ms"] * 1e3
     del model, opt
@@ -353,7 +358,8 @@ def table(rows: list[dict], env: dict, setup: str) -> str:
                      f"{r['compile_s'][0]:.1f} / {sum(r['compile_s'][1:]):.1f} | {r['graphs']} | "
                      f"{fmt(r['peak_gib'], '.1f')} | {r['loss']:.5f} (step {r['loss_step']}) | "
                      f"{fmt(r['bf16_loss'], '.5f')} |")
-    return "\n".join(lines + (profile_table(rows) if any("profile_ms" in r for r in rows) else []))
+    return "\n".join(lines + (profile_table(rows) if any("profile_ms" in r for r in rows) else [])
+                     + (timeline_table(rows) if any("timeline" in r for r in rows) else []))
 
 
 def add_common_args(p: argparse.ArgumentParser, configs: dict, default_model: str, default_configs: str,
@@ -383,6 +389,9 @@ def parse(p: argparse.ArgumentParser, argv: list[str], configs: dict) -> tuple[a
         p.error(f"--configs: unknown {unknown}; choose from {', '.join(configs)}")
     if getattr(args, "profile", False) and torch.device(args.device).type != "cuda":
         p.error("--profile reads GPU kernel times: it needs --device cuda")
+    if getattr(args, "timeline", False) and (torch.device(args.device).type != "cuda" or args.compile == "model"):
+        p.error("--timeline marks each decoder layer with CUDA events from eager code: it needs --device cuda "
+                "and --compile block or none")
     return args, spec, names
 
 
@@ -413,6 +422,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, CONFIGS, "1b", ",".join(CONFIGS))
     p.add_argument("--profile", action="store_true", help="GPU time of a step by kernel class (torch.profiler)")
+    p.add_argument("--timeline", action="store_true",
+                   help="host against GPU time of the layers' forward and backward, from CUDA events (no profiler)")
     args, spec, names = parse(p, argv, CONFIGS)
     env = environment("model", argv, args.device)
     prime(names, args.device)

@@ -1,0 +1,117 @@
+"""Host against GPU through a training step of a decoder stack, read without a profiler.
+
+``python -m fp8func.bench model --timeline``: six synchronized steps per configuration, with a CUDA
+event and a host clock reading at each decoder layer's forward (a wrapper module around the
+layer), before the final norm, at each layer's backward (a hook on the layer's output) and at
+the step's end. The GPU time of a mark is when the GPU reached it. Over the layers' forward (and
+their backward) the host and the GPU each take some time; where the GPU's is no longer than the
+host's and the GPU stays close behind the host (its lag at the phase's end, ms: what is queued
+for it), the GPU waited for the host: the host bounds that phase, and faster kernels would not
+shorten it. torch.profiler adds host time to every op it records, so it makes steps look more
+host-bound than they are; events do not.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+STEPS = 6
+
+
+class _Marks:
+    """(name, host s, CUDA event) in the order the host makes them."""
+
+    def __init__(self):
+        self.rows: list[tuple[str, float, torch.cuda.Event]] = []
+
+    def add(self, name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.rows.append((name, time.perf_counter(), event))
+
+    def read(self) -> list[tuple[str, float, float]]:
+        """(name, host ms, GPU ms) since the first mark; call after synchronizing."""
+        _, h0, e0 = self.rows[0]
+        return [(name, (h - h0) * 1e3, e0.elapsed_time(e)) for name, h, e in self.rows]
+
+
+class _Marked(nn.Module):
+    """A decoder layer that marks its forward's start, and its backward's (a hook on its output)."""
+
+    def __init__(self, layer: nn.Module, index: int, marks: _Marks):
+        super().__init__()
+        self.layer, self.index, self.marks = layer, index, marks
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.marks.add(f"f{self.index}")
+        out = self.layer(hidden_states, *args, **kwargs)
+        t = out[0] if isinstance(out, tuple) else out
+        if t.requires_grad:
+            t.register_hook(lambda _grad: self.marks.add(f"b{self.index}"))
+        return out
+
+
+def summarize(marks: list[tuple[str, float, float]]) -> dict:
+    """Per phase of ``marks`` ((name, host ms, GPU ms) of one step, in host order: ``start``,
+    ``f0``..``f{L-1}``, ``norm``, ``b{L-1}``..``b0``, ``end``): the layers' forward (``f0`` to
+    ``norm``) and backward (``b{L-1}`` to ``b0``), the host and GPU ms each took and how far the
+    GPU was behind the host at the phase's end; the GPU ms before the first layer and of the step."""
+    at = {name: (h, g) for name, h, g in marks}
+    n = sum(name.startswith("f") for name in at)
+
+    def phase(first: str, last: str) -> dict:
+        return {"host_ms": at[last][0] - at[first][0], "gpu_ms": at[last][1] - at[first][1],
+                "lag_ms": at[last][1] - at[last][0]}
+
+    return {"forward": phase("f0", "norm"), "backward": phase(f"b{n - 1}", "b0"),
+            "first_layer_gpu_ms": at["f0"][1], "step_gpu_ms": at["end"][1]}
+
+
+def timeline(model: nn.Module, step, steps: int = STEPS) -> dict:
+    """``summarize`` of ``step`` (a training step of HF causal LM ``model``), the median of each
+    figure over ``steps`` synchronized steps; the model is left as it was."""
+    layers, marks = model.model.layers, _Marks()
+    model.model.layers = nn.ModuleList(_Marked(layer, i, marks) for i, layer in enumerate(layers))
+    hook = model.model.norm.register_forward_pre_hook(lambda _module, _args: marks.add("norm"))
+    runs = []
+    try:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            marks.rows.clear()
+            marks.add("start")
+            step()
+            marks.add("end")
+            torch.cuda.synchronize()
+            runs.append(summarize(marks.read()))
+    finally:
+        model.model.layers = layers
+        hook.remove()
+    return _median(runs)
+
+
+def _median(runs: list[dict]) -> dict:
+    first = runs[0]
+    if isinstance(first, dict):
+        return {k: _median([r[k] for r in runs]) for k in first}
+    return statistics.median(runs)
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The ``--timeline`` table of the rows that have one."""
+    lines = ["", f"Host against GPU per step (CUDA events, median of {STEPS} synchronized steps): the ms the decoder "
+             "layers took on the host and on the GPU, and how far the GPU was behind the host at the end (GPU ms "
+             "no longer than host ms, and a small lag: the GPU waited for the host):", "",
+             "| config | forward host / GPU ms | GPU behind at the forward's end, ms | backward host / GPU ms | "
+             "GPU behind at the backward's end, ms | GPU ms before layer 0 | step GPU ms |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r.get("timeline")
+        if t:
+            f, b = t["forward"], t["backward"]
+            lines.append(f"| {r['config']} | {f['host_ms']:.1f} / {f['gpu_ms']:.1f} | {f['lag_ms']:.1f} | "
+                         f"{b['host_ms']:.1f} / {b['gpu_ms']:.1f} | {b['lag_ms']:.1f} | "
+                         f"{t['first_layer_gpu_ms']:.1f} | {t['step_gpu_ms']:.1f} |")
+    return lines
