@@ -32,3 +32,29 @@ COPY_OPS = frozenset({aten.clone.default, aten._to_copy.default, aten._pin_memor
 WRITE_OPS = frozenset({aten.copy_.default})
 
 STRUCTURAL_OPS = ALIAS_OPS | ROW_OPS | NEW_OPS | COPY_OPS | WRITE_OPS
+
+
+class AssignableData:
+    """``param.data = new`` for a weight type that wraps other tensors: the weight takes ``new``'s
+    values, keeping its own type.
+
+    ``Tensor.data``'s setter swaps only the C++ metadata (dtype, shape, device) of a wrapper
+    subclass, never the Python attributes that hold its values: after accelerate's upcast of the
+    trainable parameters (``param.data = param.data.to(torch.float32)``) the weight would call
+    itself float32 and hold bf16 values, and every later move, ``state_dict`` and FSDP2 buffer
+    would disagree on its size. A weight type mixing this in implements
+    ``_take_data(new: same type) -> None`` (adopt ``new``'s wrapped values) and
+    ``_wrap_data(values: plain tensor) -> same type`` (a plain tensor assigned to ``.data``)."""
+
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        if not isinstance(new, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}.data = {type(new).__name__}: expected a tensor.")
+        if type(new) is not type(self):
+            new = self._wrap_data(new.detach())
+        torch._C.TensorBase.data.__set__(self, new)
+        self._take_data(new)

@@ -219,3 +219,69 @@ def test_every_weight_type_answers_exactly_the_structural_ops():
     assert w.weight_version() != version
     fp8 = Fp8WeightParam(torch.randn(32, 16), f8.Recipe.from_name("tensorwise"))
     assert type(fp8.detach()) is Fp8WeightParam and type(fp8 * 2) is torch.Tensor
+
+
+@pytest.mark.parametrize("kind", ["fp8_all_gather", "fp8_weights"])
+def test_assigning_data_keeps_the_weight_type_and_takes_the_values(kind):
+    """``param.data = param.data.to(torch.float32)`` (accelerate's upcast of every trainable parameter
+    before fully_shard): the weight stays its type, and its dtype, shape and values are the new
+    ones everywhere (its state_dict, a move to meta, what it computes). A plain tensor assigned
+    to ``.data`` is wrapped."""
+    layer = f8.nn.Fp8Linear(64, 32, dtype=torch.bfloat16, fp8_weights=kind == "fp8_weights")
+    w = layer.weight
+    cls = Fp8WeightParam if kind == "fp8_weights" else Fp8AllGatherWeight
+    before = layer.state_dict()["weight"]
+    w.data = w.data.to(torch.float32)
+    assert type(layer.weight) is cls and layer.weight is w and w.dtype == torch.float32
+    after = layer.state_dict()["weight"]
+    assert type(after) is torch.Tensor and after.dtype == torch.float32 and torch.equal(after, before.float())
+    assert w.to("meta").dtype == torch.float32 and type(w.to("meta")) is cls
+    new = torch.randn(32, 64)
+    w.data = new
+    assert type(w) is cls and torch.equal(layer.state_dict()["weight"], new)
+    if cls is Fp8AllGatherWeight:  # a write through the assigned tensor's aliases makes kept scales stale too
+        upcast = w.data.to(torch.float64).float()
+        w.data = upcast
+        version = w.weight_version()
+        upcast.detach().mul_(2)
+        assert w.weight_version() != version and torch.equal(layer.state_dict()["weight"], new * 2)
+    layer.bias.data = layer.bias.data.float()
+    fresh = nn.Linear(64, 32)  # a layer of the same kind built from the values the weight holds now
+    fresh.weight.data, fresh.bias.data = layer.state_dict()["weight"].clone(), layer.bias.detach().clone()
+    fresh = f8.nn.Fp8Linear.from_linear(fresh, layer.recipe, fp8_weights=kind == "fp8_weights")
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        assert torch.equal(layer(x), fresh(x))
+
+
+def test_a_delayed_layer_sharded_on_meta_lists_its_state_as_dtensors():
+    """accelerate's cpu_ram_efficient_loading reads the state_dict of the model sharded on the meta
+    device, takes every entry's mesh and placements, then loads rank 0's values with
+    load_state_dict(assign=True): the delayed-scaling state comes as replicated DTensors there,
+    and loads back into the plain buffers with its values."""
+    from .dist_harness import run_workers
+
+    [result] = run_workers(_meta_sharded_delayed, 1)
+    assert result == ["DTensor"] * 6 + ["loaded"]
+
+
+def _meta_sharded_delayed(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    model = f8.convert(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 32)), "delayed")
+    full = model.state_dict()
+    mesh = init_device_mesh("cpu", (world_size,))
+    model.to("meta")
+    fully_shard(model, mesh=mesh)
+    meta_sd = model.state_dict()
+    names = [k for k in meta_sd if k.startswith("0.fp8_")]
+    kinds = [type(meta_sd[k]).__name__ for k in names]
+    loaded = {k: distribute_tensor(full[k], v.device_mesh, v.placements) for k, v in meta_sd.items()}
+    assert all(isinstance(loaded[k], DTensor) and loaded[k].placements == (Replicate(),) for k in names)
+    model.load_state_dict(loaded, assign=True)
+    layer = model[0]
+    ok = all(type(getattr(layer, n.split(".")[1])) is torch.Tensor for n in names) and all(
+        torch.equal(getattr(layer, n.split(".")[1]), full[n]) for n in names)
+    return kinds + ["loaded" if ok else "not loaded"]

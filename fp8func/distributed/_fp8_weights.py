@@ -46,6 +46,7 @@ from .._ops import dequantize, quantize
 from .._qtensor import Fp8Tensor
 from .._scaling import Recipe
 from .._sharding import Sharding
+from .._structural import AssignableData
 from ..nn._weights import check_fp8_weights_recipe, notify_all_gather
 from ._fp8_weights_ops import HANDLERS, SHELL_MSG, State, fallback
 from ._fsdp import _GatherHooks, add_all_gather_input, finish_all_gather_inputs, keep_hook_signature
@@ -65,7 +66,7 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class Fp8WeightParam(_GatherHooks, torch.Tensor):
+class Fp8WeightParam(AssignableData, _GatherHooks, torch.Tensor):
     """A weight stored in FP8 (payloads + scales, no high-precision copy) that FSDP2 shards and
     all-gathers in 8 bits; writes are staged and quantized at the next all-gather. More in the
     module docstring and docs/fp8_weights.md.
@@ -101,6 +102,13 @@ class Fp8WeightParam(_GatherHooks, torch.Tensor):
         self._state = state
         self._fsdp_group: list = [None, None]  # weakrefs to FSDP2's (param group, FSDPParam): compat's cache
         self._n_slots: int | None = None
+
+    def _take_data(self, new: "Fp8WeightParam") -> None:
+        # ``param.data = new`` (AssignableData): its state (payloads or staged values) is this weight's now.
+        self._recipe, self._state = new._recipe, new._state
+
+    def _wrap_data(self, values: torch.Tensor) -> "Fp8WeightParam":
+        return Fp8WeightParam(values, self._recipe)  # staged: quantized at the next all-gather
 
     @classmethod
     def _wrap(cls, recipe: Recipe, state: State, shape, dtype: torch.dtype, device) -> "Fp8WeightParam":

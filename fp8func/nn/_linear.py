@@ -8,7 +8,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from .._autograd import fp8_linear, unpack_state
 from .._delayed import LinearScalingState, refresh
@@ -231,6 +231,17 @@ class Fp8Linear(nn.Linear):
             # state_dict has: safetensors, save_pretrained, torch.load(weights_only=True) and every
             # model read them. FP8 weights give their master's values where MasterWeights keeps one.
             destination[key] = self._hp_weight()
+        w = self.weight
+        if not keep_vars and self.recipe.delayed is not None and isinstance(w, DTensor) and w.is_meta:
+            # Sharded on the meta device (accelerate's cpu_ram_efficient_loading shards a meta model,
+            # reads its state_dict for every tensor's mesh and placements, then loads rank 0's values
+            # with load_state_dict(assign=True)): the state buffers, replicated on every rank, are
+            # listed as replicated DTensors on the weight's mesh, as every other entry is a DTensor.
+            mesh = w.device_mesh
+            for name in self._STATE_NAMES:
+                if prefix + name in destination and not isinstance(destination[prefix + name], DTensor):
+                    destination[prefix + name] = DTensor.from_local(
+                        destination[prefix + name], mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -241,6 +252,12 @@ class Fp8Linear(nn.Linear):
             # load_state_dict(assign=True) (accelerate's FSDP2 loading does it) puts the checkpoint's
             # tensor in place of the weight: it takes this layer's weight type.
             state_dict[key] = wrap_weight(value, kind, self.recipe)
+        for name in self._STATE_NAMES if self.recipe.delayed is not None else ():
+            # A replicated DTensor for a plain state buffer (the meta-sharded state_dict above, loaded
+            # back): its values are the whole state.
+            held, given = self._buffers.get(name), state_dict.get(prefix + name)
+            if isinstance(given, DTensor) and not isinstance(held, DTensor):
+                state_dict[prefix + name] = given.full_tensor()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         master = self.master_weight()
