@@ -288,6 +288,8 @@ def train(args, name, mesh, device, recorder):
     """Trains configuration ``name``; returns per-step losses (mean over dp), times and bytes."""
     model, opt = build(args, name, mesh, device)
     precompute = scale_precompute(args, name)
+    # fp8func precomputes after every optimizer step by itself; --no-precompute-scales turns that off too
+    f8.distributed.precompute_after_optimizer_step(args.precompute_scales)
     dp_group, dp_rank = submesh(mesh, "dp").get_group(), mesh.get_local_rank("dp")
     positions, mask = torch.arange(args.seq, device=device)[None], causal_mask(args, device)
     warmup = min(args.warmup, args.steps - 1)

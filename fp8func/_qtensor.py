@@ -19,7 +19,7 @@ from ._scaling import MX, AxisWise, BlockWise, CastSpec, DelayedScaling, TensorW
     transpose_granularity
 from ._sharding import Sharding
 
-__all__ = ["Fp8Meta", "Fp8Tensor"]
+__all__ = ["Fp8Meta", "Fp8Tensor", "trusted_fp8_tensor"]
 
 
 @dataclass(frozen=True)
@@ -168,10 +168,17 @@ def _flatten(q: Fp8Tensor):
 def _unflatten(children, meta: Fp8Meta) -> Fp8Tensor:
     # Not validated: pytree code rebuilds nodes from transformed leaves (vmap adds a batch dim to
     # data and scale, tree_map may change dtypes); the constructor validates what users build.
-    data, scale = children
+    return trusted_fp8_tensor(*children, meta)
+
+
+def trusted_fp8_tensor(data: torch.Tensor, scale: torch.Tensor, meta: Fp8Meta) -> Fp8Tensor:
+    """An ``Fp8Tensor`` of leaves the caller knows to be valid (views of a validated cast's
+    payload and scale), built without the constructor's checks: for hot paths that rebuild the
+    same casts every step (FSDP2's unsharded weight). Build anything else with ``Fp8Tensor``."""
     q = object.__new__(Fp8Tensor)
-    for name, value in (("data", data), ("scale", scale), ("meta", meta)):
-        object.__setattr__(q, name, value)
+    object.__setattr__(q, "data", data)
+    object.__setattr__(q, "scale", scale)
+    object.__setattr__(q, "meta", meta)
     return q
 
 

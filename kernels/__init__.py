@@ -18,7 +18,8 @@ from ._dispatch import IMPLS as IMPLS
 from ._dispatch import amax as amax
 from ._dispatch import cast as cast
 from ._dispatch import cast_amax as cast_amax
+from ._dispatch import cast_many as cast_many
 from ._dispatch import quantize as quantize
 from ._dispatch import triton_available as triton_available
 
-__all__ = ["IMPLS", "amax", "cast", "cast_amax", "quantize", "triton_available"]
+__all__ = ["IMPLS", "amax", "cast", "cast_amax", "cast_many", "quantize", "triton_available"]

@@ -26,7 +26,7 @@ from fp8func._scaling import (
 
 from . import _reference
 
-__all__ = ["IMPLS", "amax", "cast", "cast_amax", "quantize", "triton_available"]
+__all__ = ["IMPLS", "amax", "cast", "cast_amax", "cast_many", "quantize", "triton_available"]
 
 IMPLS = ("auto", "triton", "reference")
 _HP_DTYPES = (torch.bfloat16, torch.float32)
@@ -174,6 +174,58 @@ def cast(
         raise ValueError(f"cast(round_to={round_to}) on a {x.dtype} tensor: rounding applies to float32 x "
                          "and torch.bfloat16; cast x.to(round_to) instead.")
     return _backend(impl, x).cast(x, scale, spec, scale_t, round_to)
+
+
+def cast_many(
+    xs: list[torch.Tensor], scales: torch.Tensor, spec: CastSpec, *, round_to: torch.dtype | None = None,
+    impl: str = "auto",
+) -> list[torch.Tensor]:
+    """Tensorwise ``cast(xs[i], scales[i:i + 1, :1], spec, round_to=round_to)[0]`` of every tensor
+    of ``xs``, bitwise, in one kernel launch (the casts of a model's weights after an optimizer
+    step: one launch instead of one per weight). Eager only.
+
+    ``xs``: contiguous 2-D tensors of one dtype (bf16 or fp32) on one device; ``scales``: float32
+    ``[len(xs), s]``, tensor ``i`` cast with ``scales[i, 0]`` (rows may be padded, e.g. to keep
+    each scale 16-byte aligned). Returns fp8 tensors shaped like ``xs`` (views of one buffer).
+
+    Example:
+        >>> import torch, fp8func as f8, fp8func.kernels as k
+        >>> xs = [torch.randn(4, 8), torch.randn(2, 16)]
+        >>> a, b = k.cast_many(xs, torch.tensor([[0.5], [2.0]]), f8.CastSpec())
+        >>> torch.equal(b.view(torch.uint8), k.cast(xs[1], torch.tensor([[2.0]]), f8.CastSpec())[0].view(torch.uint8))
+        True
+    """
+    if not isinstance(xs, (list, tuple)) or not xs:
+        raise ValueError(f"cast_many: xs={type(xs).__name__} of {len(xs) if isinstance(xs, (list, tuple)) else '?'} "
+                         "tensors; expected a non-empty list of tensors.")
+    for x in xs:
+        _check_x(x, "cast_many")
+    if len({(x.dtype, x.device) for x in xs}) != 1:
+        raise ValueError(f"cast_many: xs mix dtypes / devices {sorted({(str(x.dtype), str(x.device)) for x in xs})}; "
+                         "call it once per dtype and device.")
+    if not isinstance(spec, CastSpec) or not isinstance(spec.granularity, TensorWise):
+        raise ValueError(f"cast_many: spec={spec!r}; expected a CastSpec with TensorWise() (one scale per tensor).")
+    if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.ndim != 2
+            or scales.shape[0] != len(xs) or scales.shape[1] < 1 or scales.device != xs[0].device
+            or scales.stride(1) != 1):
+        got = (tuple(scales.shape), scales.dtype, scales.device) if isinstance(scales, torch.Tensor) else type(scales)
+        raise ValueError(f"cast_many: scales is {got}; expected float32 [{len(xs)}, s] (row-major) on {xs[0].device}.")
+    if round_to == xs[0].dtype:
+        round_to = None
+    if round_to is not None and (round_to != torch.bfloat16 or xs[0].dtype != torch.float32):
+        raise ValueError(f"cast_many(round_to={round_to}) on {xs[0].dtype} tensors: rounding applies to float32 "
+                         "and torch.bfloat16.")
+    backend = _backend(impl, xs[0])
+    if backend is not _reference and not _plain_eager(xs):
+        backend = _reference  # one launch over raw addresses: for plain tensors outside any tracing or mode
+    return backend.cast_many(list(xs), scales, spec, round_to)
+
+
+def _plain_eager(xs) -> bool:
+    """Whether ``xs`` are plain tensors seen eagerly: not traced or compiled, no dispatch mode or
+    torch.func transform active (what a launch that reads raw addresses needs)."""
+    return (not torch.compiler.is_compiling() and all(type(x) is torch.Tensor for x in xs)
+            and torch._C._len_torch_dispatch_stack() == 0 and torch._C._functorch.peek_interpreter_stack() is None)
 
 
 def cast_amax(

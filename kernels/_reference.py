@@ -39,6 +39,11 @@ def cast(
     return data, _quantize_with_scale(x.t().contiguous(), scale_t, spec).data
 
 
+def cast_many(xs: list[torch.Tensor], scales: torch.Tensor, spec: CastSpec, round_to=None) -> list[torch.Tensor]:
+    """``[cast(x, scales[i:i + 1, :1], spec, None, round_to)[0] for i, x in enumerate(xs)]``."""
+    return [cast(x, scales[i:i + 1, :1], spec, None, round_to)[0] for i, x in enumerate(xs)]
+
+
 def cast_amax(
     x: torch.Tensor, scale: torch.Tensor, spec: CastSpec, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

@@ -10,6 +10,8 @@ fp32 master shard cast as its bf16 copy would be, without writing the copy).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -18,7 +20,7 @@ from torch.library import wrap_triton
 from ._configs import Config
 from ._triton_device import abs_bits, anchor, canonical_nan, consts, recip, saturate, scale_of, transposed
 
-__all__ = ["cast_partials", "launch_cast"]
+__all__ = ["cast_partials", "launch_cast", "launch_cast_many"]
 
 
 @triton.jit
@@ -129,3 +131,71 @@ def cast_partials(x: torch.Tensor, cfg: Config) -> int:
     """The length of ``launch_cast``'s ``amax_out`` on ``x`` with ``cfg``: one slot per program."""
     m, k = x.shape
     return triton.cdiv(m, cfg.bm) * triton.cdiv(k, cfg.bk)
+
+
+@triton.jit
+def _cast_many_kernel(src_ptrs, dst_ptr, dst_offsets, numels, block_tensor, block_start, scale_ptr, scale_stride,
+                      SRC: tl.constexpr, FP8_MAX: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    # Program p casts BLOCK elements of tensor t = block_tensor[p], from element block_start[p]:
+    # src = the tensor's address (src_ptrs[t]), its scale scale_ptr[t * scale_stride], its output
+    # at dst_ptr + dst_offsets[t]. The arithmetic is _cast_kernel's, element for element.
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor + pid)
+    idx = tl.load(block_start + pid) + tl.arange(0, BLOCK).to(tl.int64)
+    mask = idx < tl.load(numels + t)
+    src = tl.load(src_ptrs + t).to(tl.pointer_type(SRC))
+    x = tl.load(src + idx, mask=mask, other=0.0)
+    if ROUND_BF16:  # round to nearest even, as torch's .to(torch.bfloat16)
+        x = x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    # the scale loaded as a vector (see _cast_kernel's NPART note on broadcast scalar scales)
+    s = tl.load(scale_ptr + t * scale_stride + tl.zeros([BLOCK], dtype=tl.int64))
+    y = saturate(x.to(tl.float32), recip(s), FP8_MAX).to(dst_ptr.dtype.element_ty)
+    tl.store(dst_ptr + tl.load(dst_offsets + t) + idx, y, mask=mask)
+
+
+_MANY_BLOCK = 4096
+_MANY_TABLES: dict = {}  # (addresses, sizes, dtype, device) -> the launch's tables, for the last few lists
+
+
+def _many_tables(xs: list[torch.Tensor]) -> tuple:
+    """The device tables of a ``launch_cast_many`` over ``xs``: kept for the last few lists (the
+    same weights, stepped in place, are cast every step: their addresses do not change)."""
+    key = (tuple(x.data_ptr() for x in xs), tuple(x.numel() for x in xs), xs[0].dtype, xs[0].device)
+    tables = _MANY_TABLES.get(key)
+    if tables is None:
+        sizes = [x.numel() for x in xs]
+        starts, owners, offsets, total = [], [], [], 0
+        for i, n in enumerate(sizes):
+            offsets.append(total)
+            starts += range(0, n, _MANY_BLOCK)
+            owners += [i] * triton.cdiv(n, _MANY_BLOCK)
+            total += n
+        dev = xs[0].device
+
+        def table(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        tables = (table([x.data_ptr() for x in xs], torch.int64), table(offsets, torch.int64),
+                  table(sizes, torch.int64), table(owners, torch.int32), table(starts, torch.int64),
+                  offsets, total, len(owners))
+        if len(_MANY_TABLES) >= 8:
+            _MANY_TABLES.pop(next(iter(_MANY_TABLES)))
+        _MANY_TABLES[key] = tables
+    return tables
+
+
+def launch_cast_many(xs: list[torch.Tensor], scales: torch.Tensor, dtype: torch.dtype,
+                     round_bf16: bool) -> list[torch.Tensor]:
+    """Each of ``xs`` cast with ``scales[i, 0]`` to ``dtype``, in one launch: fp8 tensors shaped
+    like ``xs``, views of one buffer. ``xs``: contiguous, one dtype and device (not empty)."""
+    src_ptrs, dst_offsets, numels, owners, starts, offsets, total, programs = _many_tables(xs)
+    out = torch.empty(total, dtype=dtype, device=xs[0].device)
+    if programs:
+        src = tl.float32 if xs[0].dtype == torch.float32 else tl.bfloat16
+        on_device = torch.cuda.device(xs[0].device) if xs[0].is_cuda else contextlib.nullcontext()
+        with on_device:  # Triton launches on the current device
+            _cast_many_kernel[(programs,)](
+                src_ptrs, out, dst_offsets, numels, owners, starts, scales, scales.stride(0),
+                SRC=src, FP8_MAX=consts(dtype, False)["FP8_MAX"], ROUND_BF16=round_bf16, BLOCK=_MANY_BLOCK,
+                num_warps=8)
+    return [out[o:o + x.numel()].view(x.shape) for o, x in zip(offsets, xs)]

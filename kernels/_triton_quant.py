@@ -25,7 +25,7 @@ from fp8func._scaling import AxisWise, CastSpec, Granularity, TensorWise, comput
 from ._configs import config
 from ._triton_amax import amax_programs, launch_amax_2d, launch_amax_flat
 from ._triton_block import MAX_ROW_K, launch_quant, launch_quant_t, rowwise_tile
-from ._triton_cast import cast_partials, launch_cast
+from ._triton_cast import cast_partials, launch_cast, launch_cast_many
 
 __all__ = ["amax", "cast", "cast_amax", "quantize"]
 
@@ -191,6 +191,11 @@ def cast(
     data, data_t = _call(_cast_op, _cast_op_fn, x, scale, scale_t, spec.dtype, *_groups(spec.granularity),
                          round_to is not None)
     return data, (data_t if scale_t is not None else None)
+
+
+def cast_many(xs: list[torch.Tensor], scales: torch.Tensor, spec: CastSpec, round_to=None) -> list[torch.Tensor]:
+    """Each of ``xs`` cast with ``scales[i, 0]`` (tensorwise), in one launch (eager only)."""
+    return launch_cast_many(xs, scales, spec.dtype, round_to is not None)
 
 
 def cast_amax(

@@ -38,6 +38,9 @@ class _CountAllGather:
 
 
 def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, precompute=False, compiled=False):
+    # precompute: False (the hooks make every scale), True / "once" (precompute_scales called here after
+    # every / the first step), "auto" (every optimizer step precomputes by itself, the default setting)
+    f8.distributed.precompute_after_optimizer_step(precompute == "auto")
     mesh = init_device_mesh("cpu", (world_size,))
     model = tiny_qwen3(layers=1 if compiled else 2)  # compiling on 2 CPU cores is the slow part
     if param_dtype == "bf16-weights":
@@ -195,11 +198,44 @@ def test_precompute_scales_keeps_the_contract():
     assert on[0]["fresh_scales"] == 15
 
 
+def test_every_optimizer_step_precomputes_the_scales():
+    """By default every optimizer step ends with precompute_scales over the fp8 weights it holds: after
+    the first step no all-gather hook computes a scale, the losses are bitwise the fp8 all-gather off,
+    and the one all-reduce per step replaces one per weight."""
+    on = run_workers(_train, 2, "tensorwise", True, 6, True, "fp32-master", "auto")
+    off = run_workers(_train, 2, "tensorwise", False, 6, True, "fp32-master")
+    assert on[0]["losses"] == off[0]["losses"] and on[1]["losses"] == off[1]["losses"]
+    assert on[0]["fresh_scales"] == 15  # step 0's forward only: 2 decoder layers x 7, and lm_head
+    # 1 decoder layer x 7 and lm_head, covered twice; an explicit call after the step's own precompute:
+    # no new collective
+    assert run_workers(_precompute_twice, 2) == [(1, 8, 8, 1)] * 2
+
+
+def _precompute_twice(rank, world_size):
+    """One step with the automatic precompute, then precompute_scales twice: both cover every weight,
+    and only the step's own made an all-reduce (the kept payloads are current after it)."""
+    import fp8func.distributed._fsdp as fsdp_mod
+
+    model, opt = _model_and_opt(world_size)
+    reduced = []
+    orig = fsdp_mod.reduce_amax
+    fsdp_mod.reduce_amax = lambda *a: reduced.append(1) or orig(*a)
+    try:
+        ids, labels = batch(0, rank)
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()  # the automatic precompute: one reduction
+        after_step = len(reduced)
+        return after_step, f8.precompute_scales(model), f8.precompute_scales(model), len(reduced)
+    finally:
+        fsdp_mod.reduce_amax = orig
+
+
 def test_a_precomputed_scale_is_never_used_stale():
     """Precomputed once, after step 0: the optimizer's later updates make it stale, so the hook
     computes fresh scales (the optimizer writes through FSDP2's DTensor into the wrapper, below
     autograd, where the inner tensor's ``_version`` never moves: each wrapper counts its writes)."""
-    (on, off), = [r for r in run_workers(_train_on_off, 1, "tensorwise", 3, True, "fp32-master", "once")][:1]
+    # Two ranks: the hook's kept inputs (built from the last gather, several ranks only) meet the stale payload too.
+    (on, off), _ = run_workers(_train_on_off, 2, "tensorwise", 3, True, "fp32-master", "once")
     assert on["losses"] == off["losses"], (on["losses"], off["losses"])
     assert on["covered"] == [15]
     # step 1's two gathers per weight use it; at step 2 it is stale: one fresh scale per weight
@@ -395,3 +431,30 @@ def test_precomputed_scales_are_aligned_and_keep_the_fp8_shard():
     assert len(kept) == 8, kept  # 7 layer weights and lm_head
     for misalign, scale_shape, dtype, shape in kept:
         assert misalign == 0 and scale_shape == (1, 1) and dtype == f8.E4M3 and len(shape) == 2, kept
+
+
+def test_cast_kept_groups_are_bitwise_each_weights_cast(monkeypatch):
+    """precompute_scales' casts, one kernel launch per kind of shard (``kernels.cast_many``; its
+    twin on the CPU): bitwise ``_cast_with_scale`` per weight, for fp32 masters rounded to bf16,
+    bf16 shards, fp32 kept in fp32, E4M3 and E5M2 weights."""
+    import fp8func.distributed._fsdp as fsdp_mod
+    from fp8func.distributed import Fp8AllGatherWeight
+
+    monkeypatch.setattr(fsdp_mod, "_use_kernels", lambda t, spec: True)  # the grouped path, on the CPU
+    g = torch.Generator().manual_seed(0)
+    e5m2 = f8.Recipe(weight=f8.CastSpec(f8.E5M2), name="e5m2 weights")
+    kinds = [(torch.float32, torch.bfloat16, "tensorwise"), (torch.bfloat16, torch.bfloat16, "tensorwise"),
+             (torch.float32, torch.float32, "tensorwise"), (torch.float32, torch.bfloat16, e5m2)]
+    weights = []
+    for i, (dtype, param_dtype, recipe) in enumerate(kinds * 2):
+        recipe = f8.Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
+        w = Fp8AllGatherWeight((torch.randn(16 + i, 32, generator=g) * 10).to(dtype), recipe)
+        w._param_dtype = param_dtype
+        weights.append(w)
+    scales = torch.rand(len(weights), 4, generator=g) * 0.1 + 1e-3
+    fsdp_mod._cast_kept(weights, scales)
+    for i, w in enumerate(weights):
+        version, scale, data = w._scales["w"]
+        want = fsdp_mod._cast_with_scale(w._tensor, scales[i:i + 1, :1], w._recipe.weight, round_to=w._param_dtype)
+        assert version == w.weight_version() and torch.equal(scale, scales[i:i + 1, :1])
+        assert data.dtype == w._recipe.weight.dtype and torch.equal(data.view(torch.uint8), want.data.view(torch.uint8))

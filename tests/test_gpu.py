@@ -492,3 +492,28 @@ def test_precompute_amaxes_on_gpu_are_bitwise_the_hooks(param_dtype):
     dtypes = [param_dtype] * len(shards)
     fast, slow = shard_amaxes(shards, dtypes), shard_amaxes_reference(shards, dtypes)
     assert torch.equal(fast.view(torch.int32), slow.view(torch.int32)), (fast, slow)
+
+
+@pytest.mark.parametrize("dtype", [f8.E4M3, f8.E5M2])
+@pytest.mark.parametrize("src", ["fp32->bf16", "bf16", "fp32"])
+def test_cast_many_is_bitwise_the_reference_and_the_one_tensor_kernel(dtype, src):
+    """precompute_scales' one-launch cast of every weight: bitwise the PyTorch twin and the one-tensor
+    cast kernel, per tensor (special values, empty and odd-sized tensors, padded scale rows)."""
+    import fp8func.kernels as fk
+
+    from .test_fsdp import _special_shards
+
+    xs = [t.float().reshape(1, -1) if t.ndim == 1 else t.float() for t in _special_shards("cuda")]
+    xs += [torch.randn(4096 + 3, 517, device="cuda") * 7]
+    if src == "bf16":
+        xs = [x.bfloat16() for x in xs]
+    round_to = torch.bfloat16 if src == "fp32->bf16" else None
+    scales = torch.rand(len(xs), 4, device="cuda") * 0.1 + 1e-3
+    spec = f8.CastSpec(dtype)
+    fast = fk.cast_many(xs, scales, spec, round_to=round_to, impl="triton")
+    slow = fk.cast_many(xs, scales, spec, round_to=round_to, impl="reference")
+    for i, (x, a, b) in enumerate(zip(xs, fast, slow)):
+        one = fk.cast(x, scales[i:i + 1, :1], spec, round_to=round_to, impl="triton")[0]
+        assert a.shape == x.shape and a.dtype == dtype
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i
+        assert torch.equal(a.view(torch.uint8), one.view(torch.uint8)), i

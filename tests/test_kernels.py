@@ -569,3 +569,25 @@ def test_triton_compiled_fullgraph_bitwise_twin(g):
     if not isinstance(g, f8.BlockWise):
         amax = torch.compile(lambda t: fk.amax(t, g), fullgraph=True)
         assert_bitwise(amax(x), fk.amax(x, g, impl="reference"), "amax")
+
+
+def test_cast_many_is_each_tensor_cast_and_checks_its_arguments():
+    """The reference path of ``cast_many`` (the GPU kernel is checked against it in test_gpu.py):
+    per tensor bitwise ``cast``, views shaped like the inputs; wrong arguments raise with the fix."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, 16, generator=g), torch.randn(3, 32, generator=g) * 100, torch.empty(0, 16)]
+    scales = torch.tensor([[0.01, 0, 0, 0], [0.5, 0, 0, 0], [1.0, 0, 0, 0]])
+    spec = f8.CastSpec(f8.E4M3)
+    for round_to in (None, torch.bfloat16):
+        got = fk.cast_many(xs, scales, spec, round_to=round_to)
+        for i, (x, q) in enumerate(zip(xs, got)):
+            want = fk.cast(x, scales[i:i + 1, :1], spec, round_to=round_to)[0]
+            assert q.shape == x.shape and torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(ValueError, match="non-empty list"):
+        fk.cast_many([], scales, spec)
+    with pytest.raises(ValueError, match="mix dtypes"):
+        fk.cast_many([xs[0], xs[1].bfloat16()], scales[:2], spec)
+    with pytest.raises(ValueError, match="TensorWise"):
+        fk.cast_many(xs, scales, f8.CastSpec(granularity=f8.AxisWise(-1)))
+    with pytest.raises(ValueError, match=r"expected float32 \[3, s\]"):
+        fk.cast_many(xs, scales[:2], spec)

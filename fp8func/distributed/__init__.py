@@ -14,6 +14,7 @@ from ._fp8_weights import Fp8WeightParam as Fp8WeightParam
 from ._fsdp import Fp8AllGatherWeight as Fp8AllGatherWeight
 from ._fsdp import Fp8GatheredWeight as Fp8GatheredWeight
 from ._fsdp import chunk_sizes as chunk_sizes
+from ._fsdp import precompute_after_optimizer_step as precompute_after_optimizer_step
 from ._fsdp import precompute_scales as precompute_scales
 from ._tp import Fp8ColwiseParallel as Fp8ColwiseParallel
 from ._tp import Fp8RowwiseParallel as Fp8RowwiseParallel
@@ -27,6 +28,7 @@ from ..nn._weights import register_weight_type as _register_weight_type
 _register_weight_type(_FP8_ALL_GATHER, Fp8AllGatherWeight)
 _register_weight_type(_FP8_WEIGHTS, Fp8WeightParam)
 
-__all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "Fp8WeightParam", "chunk_sizes", "precompute_scales", "Fp8ColwiseParallel", "Fp8RowwiseParallel",
+__all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "Fp8WeightParam", "chunk_sizes", "precompute_after_optimizer_step",
+           "precompute_scales", "Fp8ColwiseParallel", "Fp8RowwiseParallel",
            "PrepareFp8ModuleInput", "sequence_all_gather", "share_scaling_state",
            "DispatchPlan", "ExpertParallel", "combine", "dispatch", "parallelize_experts"]

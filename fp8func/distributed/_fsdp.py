@@ -34,19 +34,20 @@ from typing import NamedTuple
 import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .._casts import _cast, _cast_with_scale, _scale, weight_casts
+from .._casts import _cast, _cast_with_scale, _scale, _use_kernels, weight_casts
 from .._collectives import _gather_padded
 from .._gathered import Fp8GatheredWeight
-from .._qtensor import Fp8Meta, Fp8Tensor
+from .._qtensor import Fp8Meta, Fp8Tensor, trusted_fp8_tensor
 from .._scaling import Recipe, TensorWise, block_lengths, compute_scale
 from .._sharding import Sharding, reduce_amax
-from .._structural import COPY_OPS, NEW_OPS, STRUCTURAL_OPS
+from .._structural import COPY_OPS, NEW_OPS, STRUCTURAL_OPS, AssignableData
 from ..nn._weights import notify_all_gather
 from ._compat import find_fsdp_param, fsdp_pass, local_tensor, reshards_after_forward, tp_spec
 
 __all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "add_all_gather_input", "chunk_sizes",
-           "finish_all_gather_inputs", "precompute_scales"]
+           "finish_all_gather_inputs", "precompute_after_optimizer_step", "precompute_scales"]
 
 aten = torch.ops.aten
 log = logging.getLogger("fp8func")
@@ -61,6 +62,14 @@ class _GatherHooks:
     """What the FSDP2 fp8 weight types share: which casts travel, the TP sharding, and the
     unsharded ``Fp8GatheredWeight`` built after the all-gather. Needs an ``_n_slots`` attribute
     (None until the first all-gather) and an ``_fsdp_group`` list (``compat.find_fsdp_param``'s cache)."""
+
+    def _weight_casts(self) -> list:
+        """``weight_casts(self._recipe)``, kept while the recipe is the same object (host time: the
+        optimizer step's precompute asks it of every weight, every step)."""
+        kept = self.__dict__.get("_casts_kept")
+        if kept is None or kept[0] is not self._recipe:
+            kept = self._casts_kept = (self._recipe, weight_casts(self._recipe))
+        return kept[1]
 
     def _gather_plan(self, mesh, outer_size, local_shape, fix: str):
         """(n, k, casts, row sizes per rank) of this all-gather; raises unless FSDP2 shards dim 0
@@ -145,9 +154,10 @@ class _GatherHooks:
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         entries, slots, n = metadata
+        # Not validated again (trusted_fp8_tensor): the hook made these metadata from valid casts.
         casts = {
-            name: Fp8Tensor(_gathered_payload(all_gather_outputs, slot)[:n].view(meta.spec.dtype),
-                            _gathered_scale(all_gather_outputs, scale), meta)
+            name: trusted_fp8_tensor(_gathered_payload(all_gather_outputs, slot)[:n].view(meta.spec.dtype),
+                                     _gathered_scale(all_gather_outputs, scale), meta)
             for name, slot, scale, meta in entries
         }
         if out is not None:
@@ -169,7 +179,7 @@ class _Writes:
         self.n = 0
 
 
-class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
+class Fp8AllGatherWeight(AssignableData, _GatherHooks, torch.Tensor):
     """A high-precision weight that FSDP2 all-gathers in FP8 (see module docstring).
 
     To everything but FSDP2 it is the high-precision tensor it wraps: the structural ops
@@ -204,13 +214,15 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        wrappers = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls)]
+        wrappers: list = []
+        args = _unwrapped(cls, args, wrappers)  # flat args and lists of tensors (the optimizer's
+        if kwargs:                                # multi-tensor ops) without a pytree walk
+            kwargs = dict(zip(kwargs, _unwrapped(cls, tuple(kwargs.values()), wrappers)))
         if func._schema.is_mutable:  # e.g. the optimizer's update: scales made before are stale
             for writes in {id(t._writes): t._writes for t in wrappers}.values():
                 writes.n += 1
         recipe = wrappers[0]._recipe
-        args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
-        out = func(*args, **kwargs)
+        out = func(*args, **(kwargs or {}))
         if func not in STRUCTURAL_OPS:
             return out
         # Aliases (views, row pieces, the destination of copy_) count writes with the weight they
@@ -233,6 +245,16 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         autograd and never bump the inner tensor's ``_version`` (the optimizer's update left it at
         0), so the wrappers count their writes."""
         return self._writes.n, self._tensor._version
+
+    def _take_data(self, new: "Fp8AllGatherWeight") -> None:
+        # ``param.data = new`` (AssignableData): new values, so every kept scale is stale; writes
+        # through ``new`` and its aliases count for this weight from now on (they share its values).
+        self._tensor, self._recipe, self._writes = new._tensor, new._recipe, new._writes
+        self._writes.n += 1
+        self._scales.clear()
+
+    def _wrap_data(self, values: torch.Tensor) -> "Fp8AllGatherWeight":
+        return Fp8AllGatherWeight(values, self._recipe)
 
     def __tensor_flatten__(self):
         return ["_tensor"], self._recipe
@@ -272,10 +294,20 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
         return values.__reduce_ex__(protocol)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        kept = self.__dict__.get("_inputs_kept")
+        if kept is not None and kept[0][0] is mesh and kept[0][1] == (mp_policy.param_dtype or self._tensor.dtype) \
+                and kept[0][2] == tuple(outer_size):
+            out = self._kept_inputs(kept)
+            if out is not None:
+                notify_all_gather(self, module, out[0], mp_policy)
+                return out
         n, k, casts, sizes = self._gather_plan(mesh, outer_size, tuple(self._tensor.shape),
                                                "convert with fsdp_fp8_all_gather=False")
+        _AfterStep.register()
         # Exactly the cast FSDP2's default path applies before its all-gather.
         param_dtype = mp_policy.param_dtype or self._tensor.dtype
+        if self._param_dtype != param_dtype:
+            self._scales.clear()  # kept scales and payloads were made from another param dtype
         self._param_dtype = param_dtype
         # FSDP2 splits the rows over its mesh; under 2D (FSDP x TP) the tensor it shards is itself
         # a TP shard, whose amax must be reduced over the TP mesh as well.
@@ -286,8 +318,28 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
             q = self._cast_shard(name, shard, param_dtype, spec, sharding, data=name in slots)
             add_all_gather_input(inputs, entries, name, q, slots, sizes, mesh, param_dtype)
         entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
-        notify_all_gather(self, module, inputs, mp_policy)
-        return tuple(inputs), (entries, tuple(slots), n)
+        out = tuple(inputs), (entries, tuple(slots), n)
+        notify_all_gather(self, module, out[0], mp_policy)
+        entry = self._scales.get(casts[0][0]) if len(casts) == 1 else None
+        if (entry is not None and len(entry) == 3 and entry[0] == self.weight_version() and mesh.size() > 1
+                and len(inputs) == 1 and inputs[0] is not None and entries[0][1] == 0
+                and inputs[0].shape == entry[2].shape):
+            # One cast, precomputed, no padding: every later all-gather sends the payload and scale
+            # precompute_scales keeps then, in the same places (_kept_inputs), without this work.
+            self._inputs_kept = ((mesh, param_dtype, tuple(outer_size)), casts[0][0], 0, entries[0][3],
+                                 tuple(slots), n, entry[2].shape)
+        return out
+
+    def _kept_inputs(self, kept):
+        """The all-gather inputs and metadata of the one precomputed cast, built as this hook built
+        them last time (``kept``: where its payload and scale go), for the payload and scale
+        ``precompute_scales`` keeps now. None where there is none (or its shape changed): build
+        them anew. ``kept`` holds no tensor, so no payload outlives its step."""
+        _, name, slot, meta, slots, n, shape = kept
+        now = self._scales.get(name)
+        if now is None or len(now) != 3 or now[0] != self.weight_version() or now[2].shape != shape:
+            return None
+        return (now[2].view(torch.uint8),), (((name, slot, now[1], meta),), slots, n)
 
     def _cast_shard(self, name, made: list, param_dtype, spec, sharding, *, data: bool) -> "Fp8Tensor | _ScaleOnly":
         """Cast ``name`` of this shard in ``param_dtype`` (``data``: its payload travels now; else
@@ -311,6 +363,22 @@ class Fp8AllGatherWeight(_GatherHooks, torch.Tensor):
             q = _ScaleOnly(shard, _scale(shard, spec, sharding), spec)
         self._scales[name] = (version, q.scale)
         return q
+
+
+def _unwrapped(cls, args, found: list):
+    """``args`` (a tuple or list) with every ``cls`` instance replaced by its wrapped tensor, in
+    nested lists and tuples too (aten ops take tensors, lists of them, and c10d ops lists of
+    lists); the instances are appended to ``found``. No pytree walk: the optimizer's multi-tensor
+    ops pass hundreds of tensors here every step."""
+    out = []
+    for a in args:
+        if isinstance(a, cls):
+            found.append(a)
+            a = a._tensor
+        elif type(a) in (list, tuple):
+            a = _unwrapped(cls, a, found)
+        out.append(a)
+    return type(args)(out) if type(args) in (list, tuple) else tuple(out)
 
 
 def keep_hook_signature(cls) -> type:
@@ -460,20 +528,35 @@ def precompute_scales(model: torch.nn.Module) -> int:
     shard, held from here to the next step's update. A precomputed scale and payload are used
     only while the weight is unchanged since (its version counter says so); a stale one is never
     used. Returns the number of weights it covered.
+
+    Every ``torch.optim`` optimizer does this by itself after each ``step()`` for the weights it
+    holds (``precompute_after_optimizer_step``); call it yourself after updating weights another way.
     """
+    return _precompute(model.parameters())
+
+
+def _precompute(params) -> int:
     groups: dict = {}
-    for p in model.parameters():
+    for p in params:
         local = local_tensor(p)
         if not (isinstance(local, Fp8AllGatherWeight) and isinstance(p, DTensor)):
             continue
-        spec = local._recipe.weight
-        if not isinstance(spec.granularity, TensorWise) or len(weight_casts(local._recipe)) != 1:
+        if not isinstance(local._recipe.weight.granularity, TensorWise) or len(local._weight_casts()) != 1:
             continue
         if local._param_dtype is None:  # never all-gathered yet: the param dtype is not known
             continue
         groups.setdefault(p.device_mesh, []).append(local)
     covered = 0
     for mesh, weights in groups.items():
+        covered += len(weights)
+        if all(_kept_payload(w) is not None for w in weights):
+            # Cast since their last update already (this step's optimizer hook did it): nothing to do.
+            # Versions move alike on every rank (the same updates), so every rank skips this all-reduce.
+            continue
+        for w in weights:  # last step's payloads: dropped before the new ones are made (one byte per element)
+            name = w._weight_casts()[0][0]
+            if len(w._scales.get(name, ())) == 3:
+                w._scales[name] = w._scales[name][:2]
         amax = shard_amaxes([w._tensor for w in weights], [w._param_dtype for w in weights])
         amax = reduce_amax(amax, mesh, tuple(range(mesh.ndim)))
         kinds: dict = {}  # one scale computation per (fp8 dtype, power of 2) over all its weights
@@ -484,14 +567,73 @@ def precompute_scales(model: torch.nn.Module) -> int:
             picked = amax if len(kinds) == 1 else torch.stack([amax[i] for i in rows])
             # one row of 4 per scale: each scale 16-byte aligned, as cuBLASLt wants its scale pointers
             scales = compute_scale(picked.reshape(-1, 1).expand(-1, 4).contiguous(), dtype, pow2)
-            scales = [row[:1].reshape(1, 1) for row in scales]
-            for i, scale in zip(rows, scales):
-                w = weights[i]
-                spec = w._recipe.weight
-                data = _cast_with_scale(w._tensor, scale, spec, round_to=w._param_dtype).data
-                w._scales[weight_casts(w._recipe)[0][0]] = (w.weight_version(), scale, data)
-        covered += len(weights)
+            _cast_kept([weights[i] for i in rows], scales)
     return covered
+
+
+def _cast_kept(weights: list, scales: torch.Tensor) -> None:
+    """Casts each weight's shard with its row of ``scales`` (``[n, 4]``: the scale, then padding)
+    and keeps scale and payload for its all-gathers. One kernel launch per kind of shard (its
+    dtype and device, the param dtype it is rounded to) where the fused kernels apply
+    (``kernels.cast_many``): a model's weights cast after each optimizer step with a few launches,
+    not one each, so the host stays ahead of the GPU. Bitwise ``_cast_with_scale`` per weight."""
+    one = [row.reshape(1, 1) for row in scales[:, :1].split(1)]
+    groups: dict = {}
+    for i, w in enumerate(weights):
+        t, spec = w._tensor, w._recipe.weight
+        round_to = w._param_dtype if t.dtype != w._param_dtype else None
+        if (_use_kernels(t, spec) and t.ndim == 2 and t.is_contiguous()
+                and round_to in (None, torch.bfloat16) and (round_to is None or t.dtype == torch.float32)):
+            groups.setdefault((t.dtype, t.device, spec, round_to), []).append(i)
+        else:
+            data = _cast_with_scale(t, one[i], spec, round_to=w._param_dtype).data
+            w._scales[w._weight_casts()[0][0]] = (w.weight_version(), one[i], data)
+    for (_, _, spec, round_to), rows in groups.items():
+        from .. import kernels as kernel_ops
+
+        picked = scales if len(rows) == len(weights) else torch.stack([scales[i] for i in rows])
+        datas = kernel_ops.cast_many([weights[i]._tensor for i in rows], picked, spec, round_to=round_to)
+        for i, data in zip(rows, datas):
+            w = weights[i]
+            w._scales[w._weight_casts()[0][0]] = (w.weight_version(), one[i], data)
+
+
+def _kept_payload(w: "Fp8AllGatherWeight"):
+    """The (version, scale, payload) ``precompute_scales`` kept for ``w``'s one cast, if still current."""
+    kept = w._scales.get(w._weight_casts()[0][0])
+    return kept if kept is not None and len(kept) == 3 and kept[0] == w.weight_version() else None
+
+
+class _AfterStep:
+    """The optimizer step post-hook that precomputes the scales of the FSDP2 fp8 weights an
+    optimizer holds (``precompute_after_optimizer_step``); registered with torch.optim at the first
+    fp8 all-gather, for every optimizer of the process."""
+
+    enabled = True
+    handle = None
+
+    @classmethod
+    def register(cls) -> None:
+        if cls.handle is None:
+            cls.handle = register_optimizer_step_post_hook(cls.hook)
+
+    @classmethod
+    def hook(cls, optimizer, args, kwargs) -> None:
+        if cls.enabled:
+            _precompute(p for group in optimizer.param_groups for p in group["params"])
+
+
+def precompute_after_optimizer_step(enabled: bool = True) -> bool:
+    """Sets whether every ``torch.optim`` optimizer's ``step()`` ends with ``precompute_scales`` over
+    the tensorwise FSDP2 fp8 all-gather weights it holds (on by default); returns the previous setting.
+
+    FSDP2 shards a model's weights the same way on every rank and every rank steps its optimizer
+    together, so the one all-reduce this makes is matched on every rank. Turn it off only where an
+    optimizer steps on some ranks and not on others (then call ``precompute_scales`` yourself, or
+    leave the hooks to reduce each weight's amax at its all-gather: the same numbers, bitwise).
+    """
+    previous, _AfterStep.enabled = _AfterStep.enabled, bool(enabled)
+    return previous
 
 
 def shard_amaxes(shards: list[torch.Tensor], dtypes: list[torch.dtype]) -> torch.Tensor:
