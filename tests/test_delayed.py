@@ -362,13 +362,9 @@ def test_functional_train_step_example_is_bitwise_the_stateful_module():
     """examples/functional_train_step.py (nn.apply + grad, every state in and out) trains exactly
     like the converted module with SGD: same losses. Compiled whole, inductor fuses the model's
     norms and softmax in its own order: the same losses to fp32 rounding."""
-    import importlib.util
-    import pathlib
+    from .examples import load_example
 
-    path = pathlib.Path(__file__).parents[1] / "examples" / "functional_train_step.py"
-    spec = importlib.util.spec_from_file_location("functional_train_step", path)
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
+    ex = load_example("functional_train_step")
     functional = ex.main(["--steps", "3", "--lr", "0.05"])
     torch._dynamo.reset()
     compiled = ex.main(["--steps", "3", "--lr", "0.05", "--compile"])

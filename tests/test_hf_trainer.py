@@ -3,9 +3,7 @@ examples/hf_trainer_fsdp2.py run CI-sized on the demo's text. The run checkpoint
 (``save_strategy="steps"``), a second Trainer resumes from it and logs bitwise the uninterrupted
 run's losses, and turning the fp8 all-gather off changes nothing, bitwise."""
 
-import importlib.util
 import math
-import pathlib
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 import fp8func as f8
 
 from .dist_harness import run_workers
+from .examples import load_example
 
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (pip install -e '.[dev]')")
 
@@ -23,11 +22,7 @@ ARGV = ["--device", "cpu", "--steps", str(STEPS), "--resume-at", str(RESUME_AT),
 
 
 def _example():
-    path = pathlib.Path(__file__).parents[1] / "examples" / "hf_trainer_fsdp2.py"
-    spec = importlib.util.spec_from_file_location("hf_trainer_fsdp2", path)
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
-    return ex
+    return load_example("hf_trainer_fsdp2")
 
 
 def _run(rank, world_size, fp8_all_gather, recipe="tensorwise"):

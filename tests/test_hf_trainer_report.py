@@ -1,0 +1,75 @@
+"""The FSDP2 report's own ``Trainer`` script with fp8func's one line (examples/hf_trainer_report.py),
+CPU/gloo, 2 processes, a tiny Qwen3: the combinations a user meets, each trained with the fp8
+all-gather on and then off, with finite losses and bitwise the same losses, gradient norms and
+trained weights (the example raises otherwise).
+
+The report's setup: the model built in bf16, ``torch.compile(model)`` before the ``Trainer``, the
+report's ``fsdp_config`` with ``fsdp_cpu_ram_efficient_loading`` and ``fsdp_sync_module_states``
+(accelerate upcasts the parameters with ``param.data = ...``, moves the model to ``meta``, shards it
+there and loads rank 0's values with ``load_state_dict(assign=True)``). The other rows vary one
+thing each: the loading keys, the model dtype, how it is compiled, the callback, the recipe."""
+
+import math
+
+import pytest
+
+from .dist_harness import run_workers
+from .examples import load_example
+
+pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (pip install -e '.[dev]')")
+
+STEPS = 4
+
+
+def _example():
+    return load_example("hf_trainer_report")
+
+
+def _run(rank, world_size, argv):
+    return _example().worker(rank, world_size, argv)
+
+
+def _check(results, recipe="tensorwise"):
+    for rank_results in results:
+        on, off = rank_results["on"], rank_results["off"]
+        assert len(on["loss"]) == STEPS and all(map(math.isfinite, on["loss"])), on["loss"]
+        assert on["loss"] == off["loss"] and on["grad_norm"] == off["grad_norm"]
+        assert on["param_checksum"] == off["param_checksum"] and on["bitwise_off"]
+        assert off["fp8_gathers"] == 0
+        # delayed scaling casts the gathered weight itself: FSDP2 gathers it in bf16 either way
+        assert (on["fp8_gathers"] > 0) == (recipe != "delayed"), on["fp8_gathers"]
+    assert results[0]["on"]["loss"] == results[1]["on"]["loss"]  # every rank logs the same mean loss
+
+
+def _argv(*extra):
+    return ["--device", "cpu", "--steps", str(STEPS), "--warmup", "1", "--fp8-all-gather", "both", *extra]
+
+
+EAGER = [  # (label, flags): the report's bf16 model and loading keys, eager, and one change each
+    ("report-eager", ()),
+    ("no-loading-keys", ("--no-loading-keys",)),
+    ("fp32-model", ("--model-dtype", "fp32")),
+    ("callback", ("--callback",)),
+    ("rowwise", ("--recipe", "rowwise")),
+    ("delayed", ("--recipe", "delayed")),
+    ("delayed-callback-no-loading-keys", ("--recipe", "delayed", "--callback", "--no-loading-keys")),
+]
+
+
+@pytest.mark.parametrize("flags", [f for _, f in EAGER], ids=[label for label, _ in EAGER])
+def test_report_script_eager(flags):
+    recipe = flags[flags.index("--recipe") + 1] if "--recipe" in flags else "tensorwise"
+    _check(run_workers(_run, 2, _argv("--compile", "none", *flags)), recipe)
+
+
+COMPILED = [  # compiled as the report does (torch.compile(model)), and through TrainingArguments
+    ("report", ("--compile", "model")),
+    ("report-no-loading-keys", ("--compile", "model", "--no-loading-keys")),
+    ("trainer-compile", ("--compile", "trainer")),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [f for _, f in COMPILED], ids=[label for label, _ in COMPILED])
+def test_report_script_compiled(flags):
+    _check(run_workers(_run, 2, _argv(*flags)))
