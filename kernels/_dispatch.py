@@ -216,12 +216,12 @@ def cast_many(
         raise ValueError(f"cast_many(round_to={round_to}) on {xs[0].dtype} tensors: rounding applies to float32 "
                          "and torch.bfloat16.")
     backend = _backend(impl, xs[0])
-    if backend is not _reference and not _plain_eager(xs):
+    if backend is not _reference and not plain_eager(xs):
         backend = _reference  # one launch over raw addresses: for plain tensors outside any tracing or mode
     return backend.cast_many(list(xs), scales, spec, round_to)
 
 
-def _plain_eager(xs) -> bool:
+def plain_eager(xs) -> bool:
     """Whether ``xs`` are plain tensors seen eagerly: not traced or compiled, no dispatch mode or
     torch.func transform active (what a launch that reads raw addresses needs)."""
     return (not torch.compiler.is_compiling() and all(type(x) is torch.Tensor for x in xs)

@@ -23,6 +23,7 @@ from fp8func._formats import tracing
 from fp8func._scaling import AxisWise, CastSpec, Granularity, TensorWise, compute_scale
 
 from ._configs import config
+from ._dispatch import plain_eager
 from ._triton_amax import amax_programs, launch_amax_2d, launch_amax_flat
 from ._triton_block import MAX_ROW_K, launch_quant, launch_quant_t, rowwise_tile
 from ._triton_cast import cast_partials, launch_cast, launch_cast_many
@@ -169,10 +170,8 @@ def _call(op, fn, x: torch.Tensor, *args):
     (not traced), no dispatch mode or torch.func transform active, ``x`` a plain tensor that
     needs no autograd (the ops have no autograd formula: their outputs never require grad).
     ``fn`` then launches the kernels as the op's eager kernel does (``wrap_triton`` off)."""
-    if (_plain_launches is not None and type(x) is torch.Tensor and not torch.compiler.is_compiling()
-            and not (x.requires_grad and torch.is_grad_enabled())
-            and torch._C._len_torch_dispatch_stack() == 0
-            and torch._C._functorch.peek_interpreter_stack() is None):
+    if (_plain_launches is not None and plain_eager((x,))
+            and not (x.requires_grad and torch.is_grad_enabled())):
         with _plain_launches(False):
             return fn(x, *args)
     return op(x, *args)

@@ -320,8 +320,8 @@ class Fp8AllGatherWeight(AssignableData, _GatherHooks, torch.Tensor):
         entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
         out = tuple(inputs), (entries, tuple(slots), n)
         notify_all_gather(self, module, out[0], mp_policy)
-        entry = self._scales.get(casts[0][0]) if len(casts) == 1 else None
-        if (entry is not None and len(entry) == 3 and entry[0] == self.weight_version() and mesh.size() > 1
+        entry = self._kept_payload() if len(casts) == 1 else None
+        if (entry is not None and mesh.size() > 1
                 and len(inputs) == 1 and inputs[0] is not None and entries[0][1] == 0
                 and inputs[0].shape == entry[2].shape):
             # One cast, precomputed, no padding: every later all-gather sends the payload and scale
@@ -330,14 +330,24 @@ class Fp8AllGatherWeight(AssignableData, _GatherHooks, torch.Tensor):
                                  tuple(slots), n, entry[2].shape)
         return out
 
+    def _kept_payload(self):
+        """The (version, scale, payload) ``precompute_scales`` kept for the weight's one cast, if
+        still current; else None."""
+        kept = self._scales.get(self._weight_casts()[0][0])
+        return kept if kept is not None and len(kept) == 3 and kept[0] == self.weight_version() else None
+
+    def _keep_payload(self, scale: torch.Tensor, data: torch.Tensor) -> None:
+        """Keeps the one cast's scale and payload for the current weight version."""
+        self._scales[self._weight_casts()[0][0]] = (self.weight_version(), scale, data)
+
     def _kept_inputs(self, kept):
         """The all-gather inputs and metadata of the one precomputed cast, built as this hook built
         them last time (``kept``: where its payload and scale go), for the payload and scale
         ``precompute_scales`` keeps now. None where there is none (or its shape changed): build
         them anew. ``kept`` holds no tensor, so no payload outlives its step."""
         _, name, slot, meta, slots, n, shape = kept
-        now = self._scales.get(name)
-        if now is None or len(now) != 3 or now[0] != self.weight_version() or now[2].shape != shape:
+        now = self._kept_payload()
+        if now is None or now[2].shape != shape:
             return None
         return (now[2].view(torch.uint8),), (((name, slot, now[1], meta),), slots, n)
 
@@ -549,14 +559,12 @@ def _precompute(params) -> int:
     covered = 0
     for mesh, weights in groups.items():
         covered += len(weights)
-        if all(_kept_payload(w) is not None for w in weights):
+        if all(w._kept_payload() is not None for w in weights):
             # Cast since their last update already (this step's optimizer hook did it): nothing to do.
             # Versions move alike on every rank (the same updates), so every rank skips this all-reduce.
             continue
         for w in weights:  # last step's payloads: dropped before the new ones are made (one byte per element)
-            name = w._weight_casts()[0][0]
-            if len(w._scales.get(name, ())) == 3:
-                w._scales[name] = w._scales[name][:2]
+            w._scales.pop(w._weight_casts()[0][0], None)
         amax = shard_amaxes([w._tensor for w in weights], [w._param_dtype for w in weights])
         amax = reduce_amax(amax, mesh, tuple(range(mesh.ndim)))
         kinds: dict = {}  # one scale computation per (fp8 dtype, power of 2) over all its weights
@@ -586,22 +594,14 @@ def _cast_kept(weights: list, scales: torch.Tensor) -> None:
                 and round_to in (None, torch.bfloat16) and (round_to is None or t.dtype == torch.float32)):
             groups.setdefault((t.dtype, t.device, spec, round_to), []).append(i)
         else:
-            data = _cast_with_scale(t, one[i], spec, round_to=w._param_dtype).data
-            w._scales[w._weight_casts()[0][0]] = (w.weight_version(), one[i], data)
+            w._keep_payload(one[i], _cast_with_scale(t, one[i], spec, round_to=w._param_dtype).data)
     for (_, _, spec, round_to), rows in groups.items():
         from .. import kernels as kernel_ops
 
         picked = scales if len(rows) == len(weights) else torch.stack([scales[i] for i in rows])
         datas = kernel_ops.cast_many([weights[i]._tensor for i in rows], picked, spec, round_to=round_to)
         for i, data in zip(rows, datas):
-            w = weights[i]
-            w._scales[w._weight_casts()[0][0]] = (w.weight_version(), one[i], data)
-
-
-def _kept_payload(w: "Fp8AllGatherWeight"):
-    """The (version, scale, payload) ``precompute_scales`` kept for ``w``'s one cast, if still current."""
-    kept = w._scales.get(w._weight_casts()[0][0])
-    return kept if kept is not None and len(kept) == 3 and kept[0] == w.weight_version() else None
+            weights[i]._keep_payload(one[i], data)
 
 
 class _AfterStep:
