@@ -28,13 +28,21 @@ def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_sizes(local: int, mesh: DeviceMesh, mesh_dim: int) -> list[int]:
-    """Every rank's local size along a dim (one tiny all-gather; eager only)."""
+    """Every rank's local size along a dim (one tiny all-gather; eager only; none on a one-rank mesh dim)."""
+    if mesh.size(mesh_dim) == 1:
+        return [local]
     t = torch.tensor([local], dtype=torch.int64, device=mesh.device_type)
     return [int(s) for s in funcol.wait_tensor(_all_gather(t, (mesh, mesh_dim))).tolist()]
 
 
 def _gather_padded(t: torch.Tensor, dim: int, sizes: list[int], mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
-    """All-gather ``t`` along ``dim`` where rank r holds ``sizes[r]`` rows: pad, gather, trim."""
+    """All-gather ``t`` along ``dim`` where rank r holds ``sizes[r]`` rows: pad, gather, trim. A
+    one-rank mesh dim runs no collective: its gather is ``t`` itself."""
+    if mesh.size(mesh_dim) == 1:
+        if list(sizes) != [t.shape[dim]]:
+            raise ValueError(f"gather over one rank: sizes {sizes} must be [{t.shape[dim]}], this rank's length "
+                             f"along dim {dim}.")
+        return t
     t = t.movedim(dim, 0)
     pad = max(sizes) - t.shape[0]
     if pad:

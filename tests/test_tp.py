@@ -303,6 +303,15 @@ def _sp_mlp(rank, world_size, recipe, fp8_styles, compiled=False, local_output=T
         return orig(x_local, mesh, specs)
 
     tp_mod._gather_casts = counting
+    import fp8func._collectives as coll
+
+    collectives, orig_all_gather = [], coll._all_gather
+
+    def counting_all_gather(t, group):
+        collectives.append(tuple(t.shape))
+        return orig_all_gather(t, group)
+
+    coll._all_gather = counting_all_gather
     g = torch.Generator().manual_seed(1)
     seq = 128 * world_size  # whole 128-token blocks per rank: blockwise gathers in fp8 too
     x_full = torch.randn(2, seq, 128, generator=g) * 3
@@ -315,21 +324,25 @@ def _sp_mlp(rank, world_size, recipe, fp8_styles, compiled=False, local_output=T
         dy = DTensor.from_local(dy, mesh, [Shard(1)])
     y.backward(dy)
     y = y.to_local() if isinstance(y, DTensor) else y
-    tp_mod._gather_casts = orig
+    tp_mod._gather_casts, coll._all_gather = orig, orig_all_gather
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     # clone(): the stock style returns an AsyncCollectiveTensor; a compute op waits for it.
     return {"y": y.detach().clone(), "dx": x.grad.clone(), "grads": grads,
-            "gathers": [names[0] for names in gathers]}
+            "gathers": [names[0] for names in gathers], "all_gathers": collectives}
 
 
 @pytest.mark.parametrize("recipe,world_size", [("tensorwise", 2), ("rowwise", 2), ("blockwise", 2),
-                                               ("rowwise_with_gw_hp", 2), ("rowwise", 4), ("blockwise", 4)])
+                                               ("rowwise_with_gw_hp", 2), ("rowwise", 4), ("blockwise", 4),
+                                               ("tensorwise", 1), ("rowwise", 1)])
 def test_fp8_sequence_parallel_gather_is_bitwise_the_bf16_gather_then_cast(recipe, world_size):
     fp8 = run_workers(_sp_mlp, world_size, recipe, True)
     stock = run_workers(_sp_mlp, world_size, recipe, False)
     # gate's and up's inputs, then down's grad_output, gathered in fp8; rowwise_with_gw_hp needs
     # the high-precision input and grad_output for its grad_weight GEMM, so it gathers in bf16.
     assert fp8[0]["gathers"] == ([] if recipe == "rowwise_with_gw_hp" else ["x", "x", "dy"]), fp8[0]["gathers"]
+    # One all-gather per FP8 gather (the casts and their scales in one buffer); on a one-rank TP
+    # group none: the gathered casts are the rank's own.
+    assert len(fp8[0]["all_gathers"]) == (0 if world_size == 1 else len(fp8[0]["gathers"])), fp8[0]["all_gathers"]
     for a, b in zip(fp8, stock):
         assert torch.equal(a["y"], b["y"])
         assert torch.equal(a["dx"], b["dx"])
