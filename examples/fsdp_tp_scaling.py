@@ -201,7 +201,7 @@ def convert(model, name: str, fp8_lm_head: bool = False) -> tuple[dict, dict]:
 
     Without ``fp8_lm_head`` the vocabulary projection stays bf16 (stock ``ColwiseParallel``) in
     every configuration: it runs outside the per-layer compiled regions, where an FP8 linear on
-    DTensors casts eagerly (docs/benchmarks.md measures both)."""
+    DTensors casts eagerly."""
     lib, recipe, fp8_gather = CONFIGS[name]
     keep = (lambda module, fqn: True) if fp8_lm_head else (lambda module, fqn: fqn != "lm_head")
     if lib == "fp8func":

@@ -7,10 +7,10 @@ the two group scales and adds it to the accumulator (the promotion cuBLASLt and 
 make). ``--unscaled`` drops the scaling (``acc = tl.dot(a, b, acc)``: Triton's pipeline without
 the promotion); ``--defer`` adds stretch k's product while stretch k+1's MMA runs.
 
-    python docs/experiments/block_scaled_gemm.py                     # GPU: the table of docs/kernels.md
+    python docs/experiments/block_scaled_gemm.py                     # GPU: TFLOP/s against cuBLAS
     TRITON_INTERPRET=1 python docs/experiments/block_scaled_gemm.py --check   # CPU: indexing only
 
-Its figures on an H200, and why the package keeps cuBLAS's block-scaled GEMM: docs/kernels.md.
+Its figures on an H200: docs/design.md; why the package keeps cuBLAS's GEMM: docs/kernels.md.
 """
 
 from __future__ import annotations

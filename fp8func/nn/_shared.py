@@ -13,7 +13,7 @@ there the casts are Triton ops traced into the graph, whose output buffers the g
 merges, and a tensor's version counter, read after an opaque op, is a symbol that compiled code
 cannot compare, so an in-place change between two layers could not be seen. (Casts made through
 an opaque op, which the graph's common-subexpression pass merges, cost more host time than they
-save: docs/benchmarks.md, Model.)
+save: docs/design.md, What we tried and did not keep.)
 """
 
 from __future__ import annotations
