@@ -100,10 +100,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2,
                    help="the speed is the median of the steps after step warmup + 1")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
-    p.add_argument("--profile", action="store_true", help="GPU time by kernel class over two steps after warm-up")
+    p.add_argument("--profile", action="store_true",
+                   help="over two steps after warm-up: GPU time by kernel class, and where each rank's GPU waited "
+                        "(for its host's launches or for a collective)")
     args = p.parse_args(argv)
     if args.warmup >= args.steps:
         p.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    if args.profile and args.device != "cuda":
+        p.error("--profile reads CUDA kernels: it needs --device cuda")
     if args.recipe in ("bf16", "torchao") and (args.callback or args.fp8_all_gather == "both"):
         p.error(f"--recipe {args.recipe}: --callback and --fp8-all-gather both are fp8func's")
     return args
@@ -201,8 +205,10 @@ def train(args, fp8_all_gather: bool, output_dir: str) -> dict:
 
 
 class _Profiler(TrainerCallback):
-    """GPU time per step by kernel class (``fp8func.bench``'s classes, NCCL collectives by kind)
-    over the two steps after ``warmup``; a ``TrainerCallback``."""
+    """Over the two steps after ``warmup`` (a ``TrainerCallback``): GPU time per step by kernel
+    class (``fp8func.bench``'s classes, NCCL collectives by kind), and where this rank's GPU
+    stood idle, waiting for its host's launches or for a collective
+    (``fp8func.bench._timeline.gpu_waits``). Records CPU activity too, which adds host time."""
 
     def __init__(self, warmup: int, out: dict):
         self.warmup, self.out, self.prof, self.steps = warmup, out, None, 2
@@ -211,7 +217,8 @@ class _Profiler(TrainerCallback):
         if state.global_step == self.warmup:
             from torch.profiler import ProfilerActivity, profile
 
-            self.prof = profile(activities=[ProfilerActivity.CUDA])
+            torch.cuda.synchronize()
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             self.prof.__enter__()
 
     def on_step_end(self, args, state, control, **kw):
@@ -219,8 +226,12 @@ class _Profiler(TrainerCallback):
             return
         torch.cuda.synchronize()
         self.prof.__exit__(None, None, None)
-        from fp8func.bench._model import kernel_class
+        import tempfile
 
+        from fp8func.bench._model import kernel_class
+        from fp8func.bench._timeline import gpu_waits
+
+        classes = {}
         for e in self.prof.events():
             if e.device_type != torch.autograd.DeviceType.CUDA:
                 continue
@@ -228,8 +239,14 @@ class _Profiler(TrainerCallback):
             kind = next((f"NCCL {k}" for k in ("allgather", "allreduce", "reducescatter", "broadcast")
                          if "nccl" in name and k in name.replace("_", "")), None)
             kind = kind or ("NCCL other" if "nccl" in name else kernel_class(e.name))
-            ms, calls = self.out.get(kind, (0.0, 0))
-            self.out[kind] = (ms + e.device_time / 1e3 / self.steps, calls + 1 / self.steps)
+            ms, calls = classes.get(kind, (0.0, 0))
+            classes[kind] = (ms + e.device_time / 1e3 / self.steps, calls + 1 / self.steps)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            self.prof.export_chrome_trace(path)
+            with open(path) as fh:
+                self.out["waits"] = gpu_waits(json.load(fh)["traceEvents"], self.steps)
+        self.out["classes"] = classes
         self.prof = None
 
 
@@ -299,8 +316,15 @@ def main(argv=None) -> None:
         say(f"fp8 all-gather {mode}: losses {' '.join(f'{x:.4f}' for x in r['loss'])}")
         say(f"fp8 all-gather {mode}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, peak "
             f"{r['peak_gib']:.1f} GiB, {r['fp8_gathers']} fp8 all-gathers")
-        for kind, (ms, calls) in sorted(r["profile"].items(), key=lambda kv: -kv[1][0]):
+        for kind, (ms, calls) in sorted(r["profile"].get("classes", {}).items(), key=lambda kv: -kv[1][0]):
             say(f"    {kind:24s} {ms:8.2f} ms/step  {calls:6.0f} kernels/step")
+        waits = [None] * dist.get_world_size()
+        dist.all_gather_object(waits, r["profile"].get("waits"))
+        for rk, w in enumerate(waits):
+            if w:
+                say(f"    rank {rk}: {w['compute_kernels']:.0f} compute kernels/step, GPU busy {w['compute_busy_ms']:.1f} "
+                    f"ms/step, idle waiting for the host {w['idle_host_ms']:.1f}, for a collective "
+                    f"{w['idle_dependency_ms']:.1f} (profiled step {w['span_ms']:.1f} ms)")
     if len(results) == 2:
         same = results["on"]["bitwise_off"]
         say(f"fp8 all-gather on vs off: losses, gradient norms and trained weights {'' if same else 'not '}bitwise "

@@ -169,6 +169,25 @@ def test_timeline_summary_finds_where_the_gpu_waited_for_the_host():
     assert lines[-1] == "| tensorwise | 4.0 / 4.0 | 0.0 | 0.5 / 5.0 | 7.5 | 1.0 | 16.0 |"
 
 
+def test_gpu_waits_splits_idle_gpu_time_into_host_and_dependency():
+    def kernel(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(ts, dur, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": dur,
+                "args": {"correlation": corr}}
+
+    events = [kernel("gemm", 0, 10, 1), launch(-5, 2, 1),
+              kernel("cast", 30, 10, 2), launch(20, 5, 2),      # idle 10-30: launched at 25 (15 host, 5 other)
+              kernel("gemm", 100, 20, 3), launch(11, 1, 3),     # idle 40-100: launched long before (60 other)
+              kernel("ncclDevKernel_AllGather", 35, 60, 4), {"ph": "i", "name": "marker", "ts": 0}]
+    w = _timeline.gpu_waits(events, steps=2)
+    assert w == {"compute_kernels": 1.5, "compute_busy_ms": 0.02, "nccl_busy_ms": 0.03, "idle_host_ms": 0.0075,
+                 "idle_dependency_ms": 0.0325, "span_ms": 0.06}
+    with pytest.raises(ValueError, match="no CUDA kernel"):
+        _timeline.gpu_waits([launch(0, 1, 1)], steps=1)
+
+
 def test_timeline_marks_leave_a_layer_unchanged():
     """The wrapper marks the forward and, through a hook on the output, the backward, and changes
     neither the output nor any gradient."""

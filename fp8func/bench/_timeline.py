@@ -115,3 +115,50 @@ def table(rows: list[dict]) -> list[str]:
                          f"{b['host_ms']:.1f} / {b['gpu_ms']:.1f} | {b['lag_ms']:.1f} | "
                          f"{t['first_layer_gpu_ms']:.1f} | {t['step_gpu_ms']:.1f} |")
     return lines
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals."""
+    total, end = 0.0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def gpu_waits(events: list[dict], steps: int) -> dict:
+    """Where one rank's GPU stood idle, from a CUDA + CPU ``torch.profiler`` trace (the
+    ``traceEvents`` of ``export_chrome_trace``) of ``steps`` steps, in ms per step.
+
+    Between two consecutive compute kernels (every kernel but NCCL's) the GPU idles; the part of
+    that gap before the host's launch call of the second kernel returned is waiting for the host,
+    the rest waiting for something the kernel depends on (on a rank of an FSDP2 step: a
+    collective, hence the other rank). NCCL kernels are counted apart (their time includes their
+    wait for the peer). A trace with no kernel raises."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    kernels = [e for e in spans if e.get("cat") == "kernel"]
+    if not kernels:
+        raise ValueError("gpu_waits: the trace holds no CUDA kernel; profile with ProfilerActivity.CUDA on a GPU.")
+    launches = {e["args"]["correlation"]: e for e in spans
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    nccl = [k for k in kernels if "nccl" in k["name"].lower()]
+    compute = sorted((k for k in kernels if "nccl" not in k["name"].lower()), key=lambda k: k["ts"])
+    host = dependency = 0.0
+    end = None
+    for k in compute:
+        if end is not None and k["ts"] > end:
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            launched = launch["ts"] + launch["dur"] if launch is not None else end
+            waited_host = min(max(launched - end, 0.0), k["ts"] - end)
+            host += waited_host
+            dependency += k["ts"] - end - waited_host
+        end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+    first, last = compute[0]["ts"], end
+    return {"compute_kernels": len(compute) / steps, "compute_busy_ms": _busy_us([(k["ts"], k["ts"] + k["dur"]) for k in compute]) / 1e3 / steps,
+            "nccl_busy_ms": _busy_us([(k["ts"], k["ts"] + k["dur"]) for k in nccl]) / 1e3 / steps,
+            "idle_host_ms": host / 1e3 / steps, "idle_dependency_ms": dependency / 1e3 / steps,
+            "span_ms": (last - first) / 1e3 / steps}
