@@ -138,12 +138,26 @@ def _check_operands(a: Fp8Tensor, b: Fp8Tensor) -> None:
         )
 
 
+def _aligned(t: torch.Tensor, leading: int) -> bool:
+    """Whether cuBLASLt takes ``t``'s layout: a leading dimension of a multiple of 16 bytes, and,
+    eagerly, a 16-byte aligned start (a view into a packed buffer, such as the casts of an FP8
+    sequence gather, can have neither). Traced, the storage offset stands in for the address."""
+    size = t.element_size()
+    if leading * size % 16:
+        return False
+    if tracing() or not t.is_cuda:
+        return t.storage_offset() * size % 16 == 0
+    return t.data_ptr() % 16 == 0
+
+
 def _row_major(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """``t`` (2-D) row-major with a 16-byte aligned start and row pitch: itself where it is, else a copy."""
+    return t if t.stride(-1) == 1 and _aligned(t, t.stride(-2) if t.ndim > 1 else 0) else t.contiguous()
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(0) == 1 and t.ndim == 2 else t.t().contiguous().t()
+    """``t`` (2-D) column-major with a 16-byte aligned start and column pitch: itself where it is, else a copy."""
+    return t if t.ndim == 2 and t.stride(0) == 1 and _aligned(t, t.stride(1)) else t.t().contiguous().t()
 
 
 def _rowwise_scales(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor]:

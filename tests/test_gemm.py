@@ -61,6 +61,39 @@ def test_b_operand_in_any_layout():
                                    f8.gemm(a, b, torch.float32, path="emulated"), rtol=1e-5, atol=1e-5)
 
 
+def _packed_views(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fp8 [m, k] views into one packed byte buffer, each row followed by 4 bytes of a row
+    scale, the way an FP8 sequence gather packs two casts and their scales: a row pitch of
+    2k + 8 bytes, and the second view starting k + 4 bytes in."""
+    buf = torch.randint(0, 120, (m, 2 * k + 8), dtype=torch.uint8)
+    return buf[:, :k].view(f8.E4M3), buf[:, k + 4:2 * k + 4].view(f8.E4M3)
+
+
+def test_operand_layouts_meet_cublaslt_alignment():
+    # cuBLASLt's FP8 GEMMs want a 16-byte aligned start and leading dimension; a view into a
+    # packed buffer has neither, and is copied (same values), while a proper layout is kept as is.
+    first, second = _packed_views(32, 64)
+    for view in (first, second):
+        for fix in (_gemm._row_major, _gemm._col_major):
+            out = fix(view)
+            assert out is not view and torch.equal(out.view(torch.uint8), view.view(torch.uint8))
+            pitch = out.stride(0) if fix is _gemm._row_major else out.stride(1)
+            assert pitch % 16 == 0 and out.storage_offset() % 16 == 0, (out.stride(), out.storage_offset())
+    row = torch.zeros(32, 64, dtype=torch.uint8).view(f8.E4M3)
+    assert _gemm._row_major(row) is row and _gemm._col_major(row.t()).data_ptr() == row.data_ptr()
+    assert _gemm._row_major(row.t()) is not row  # column-major: copied row-major
+
+
+def test_gemm_of_packed_views_is_the_gemm_of_their_copies():
+    first, second = _packed_views(32, 64)
+    scale = torch.ones(32, 1)
+    a = f8.Fp8Tensor(first, scale, f8.quantize(torch.ones(32, 64), f8.CastSpec(granularity=f8.AxisWise(-1))).meta)
+    b = f8.Fp8Tensor(second, scale, a.meta).t()
+    a_copy = f8.Fp8Tensor(first.contiguous(), scale, a.meta)
+    b_copy = f8.Fp8Tensor(second.contiguous(), scale, a.meta).t()
+    assert torch.equal(f8.gemm(a, b, torch.float32, path="hardware"), f8.gemm(a_copy, b_copy, torch.float32, path="hardware"))
+
+
 def test_bias_is_added_in_out_dtype():
     _, _, a, b = _operands(16, 32, 16, "tensorwise")
     bias = torch.randn(16)

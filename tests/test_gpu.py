@@ -57,6 +57,25 @@ def test_hardware_matches_emulated(pair, shape, out_dtype):
     assert f8.sqnr(ref, em) > floor
 
 
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise"])
+def test_hardware_gemm_of_packed_views_is_bitwise_the_gemm_of_their_copies(kind):
+    """Operands that are views into one packed buffer (row pitch 2K + 8 bytes, the second 68
+    bytes in: how an FP8 sequence gather packs two casts and their row scales): cuBLASLt takes
+    neither layout, so the GEMM lays them out again, to the same bits as contiguous copies."""
+    m, k, n = 256, 512, 384
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gran = f8.TensorWise() if kind == "tensorwise" else f8.AxisWise(-1)
+    qa = f8.quantize(torch.randn(m, k, device="cuda", generator=g), f8.CastSpec(granularity=gran))
+    qb = f8.quantize(torch.randn(n, k, device="cuda", generator=g), f8.CastSpec(granularity=gran))
+    buf = torch.zeros(max(m, n), 2 * k + 8, dtype=torch.uint8, device="cuda")
+    buf[:m, :k] = qa.data.view(torch.uint8)
+    buf[:n, k + 4:2 * k + 4] = qb.data.view(torch.uint8)
+    a = f8.Fp8Tensor(buf[:m, :k].view(qa.dtype), qa.scale, qa.meta)
+    b = f8.Fp8Tensor(buf[:n, k + 4:2 * k + 4].view(qb.dtype), qb.scale, qb.meta).t()
+    assert f8.gemm_path(a, b) == f"scaled_mm_{kind}"
+    assert torch.equal(f8.gemm(a, b, torch.bfloat16), f8.gemm(qa, qb.t(), torch.bfloat16))
+
+
 @pytest.mark.parametrize("g", [f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(0), f8.BlockWise((1, 128)),
                                f8.BlockWise((128, 128)), f8.MX(32)], ids=repr)
 @pytest.mark.parametrize("dtype", [f8.E4M3, f8.E5M2])
@@ -424,12 +443,15 @@ def test_delayed_linear_under_cuda_graphs():
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
-def test_sequence_parallel_styles_compile_whole_on_gpu(recipe):
+def test_sequence_parallel_styles_compile_whole_on_gpu(recipe, compiled):
     """The fp8func sequence-parallel styles on a one-rank NCCL TP mesh, a block compiled with
-    fullgraph=True: the Triton casts and the functional gathers run inside the graph, and every
-    output and gradient is bitwise the compiled stock styles'. The styles sit on a submodule, as
-    in a decoder layer (the compiled module's own hooks are a separate graph in torch 2.11)."""
+    fullgraph=True (or eager): the Triton casts and the functional gathers run inside the graph,
+    and every output and gradient is bitwise the stock styles'. The styles sit on a submodule, as
+    in a decoder layer (the compiled module's own hooks are a separate graph in torch 2.11).
+    Eager, the GEMMs read the gathered casts where they lie in the packed buffer (row-wise: two
+    casts and their row scales per token), laid out again where cuBLASLt needs it."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -470,7 +492,7 @@ def test_sequence_parallel_styles_compile_whole_on_gpu(recipe):
             parallelize_module(model, mesh, {"attn": prep(input_layouts=Shard(1), desired_input_layouts=Replicate()),
                                              "attn.q": col(), "attn.k": col(), "attn.v": col(),
                                              "attn.o": row(output_layouts=Shard(1))})
-            fn = torch.compile(model, fullgraph=True)
+            fn = torch.compile(model, fullgraph=True) if compiled else model
             xx = x.clone().requires_grad_()
             y = fn(xx)
             y.backward(dy)
