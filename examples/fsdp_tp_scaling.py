@@ -303,7 +303,9 @@ def train(args, name, mesh, device, recorder):
                 mark, fsdp_count.on = recorder.mark(), True
             sync(device)
             t0 = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids, position_ids=positions, attention_mask=mask).loss
+            # use_cache=False: a training step keeps no KV cache (with one, each compiled layer guards
+            # on its own cache slot and recompiles, and past dynamo's recompile limit layers run eagerly).
+            loss = model(input_ids=ids, labels=ids, position_ids=positions, attention_mask=mask, use_cache=False).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -230,6 +230,50 @@ def _precompute_twice(rank, world_size):
         fsdp_mod.reduce_amax = orig
 
 
+def _rowwise_all_reduces(rank, world_size, auto):
+    """Three row-wise FSDP2 steps (fp8 all-gather on): losses, trained weights and the amax
+    all-reduces of each step (the hooks' and the optimizer step's precompute)."""
+    import torch.distributed._functional_collectives as funcol
+
+    f8.distributed.precompute_after_optimizer_step(auto)
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = f8.convert(tiny_qwen3(layers=2), "rowwise")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    counts, losses, orig = [], [], funcol.all_reduce
+    funcol.all_reduce = lambda *a, **k: counts.__setitem__(-1, counts[-1] + 1) or orig(*a, **k)
+    try:
+        for step in range(3):
+            counts.append(0)
+            ids, labels = batch(step, rank)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        funcol.all_reduce = orig
+        f8.distributed.precompute_after_optimizer_step(True)
+    weights = [p.to_local().detach().clone() for p in model.parameters()]
+    return {"losses": losses, "counts": counts, "weights": weights}
+
+
+def test_rowwise_weights_column_scales_are_precomputed_in_one_all_reduce():
+    """Row-wise weights under FSDP2: each w_t cast's column amax spans the row shards. The hooks
+    reduce it per weight (15 per step: 2 layers x 7 and lm_head); the optimizer step's precompute
+    reduces them all in one all-reduce, after which the hooks reduce none: the same bits."""
+    auto = run_workers(_rowwise_all_reduces, 2, True)
+    hooks = run_workers(_rowwise_all_reduces, 2, False)
+    for a, h in zip(auto, hooks):
+        assert a["losses"] == h["losses"]
+        assert all(torch.equal(x, y) for x, y in zip(a["weights"], h["weights"]))
+    assert hooks[0]["counts"] == [15, 15, 15], hooks[0]["counts"]
+    assert auto[0]["counts"] == [15 + 1, 1, 1], auto[0]["counts"]
+
+
 def test_a_precomputed_scale_is_never_used_stale():
     """Precomputed once, after step 0: the optimizer's later updates make it stale, so the hook
     computes fresh scales (the optimizer writes through FSDP2's DTensor into the wrapper, below

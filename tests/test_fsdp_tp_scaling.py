@@ -106,10 +106,12 @@ def test_compiled_layers_graph_breaks_and_collectives(tmp_path):
     # (7 per layer over tp), and nothing is precomputed.
     assert extra("fp8func-tensorwise-stock-off", "tp all_reduce") == 2 * (7 + 7)
     assert extra("fp8func-tensorwise-stock-off", "dp all_reduce") == 0
-    # Row-wise: the same 7 activation rows per layer, and each of the 7 weights' column scales
-    # (w_t) spans one mesh dim's shards: one all-reduce over tp and one over dp per weight.
-    assert extra("fp8func-rowwise-stock", "tp all_reduce") == 2 * (7 + 7)
-    assert extra("fp8func-rowwise-stock", "dp all_reduce") == 2 * 7
+    # Row-wise: the same 7 activation rows per layer; the weights' scales that span shards are
+    # precomputed after the optimizer step, one all-reduce per kind of reduction for all weights:
+    # the column scales (w_t) of q, k, v, gate and up (rows split over dp and tp), the row scales
+    # (w) of o and down (rows split over tp) and their column scales (over dp): 2 over dp, 2 over tp.
+    assert extra("fp8func-rowwise-stock", "tp all_reduce") == 2 * 7 + 2
+    assert extra("fp8func-rowwise-stock", "dp all_reduce") == 2
     # The fp8func sequence-parallel styles, compiled: each sequence gather of bf16 (the inputs of
     # q/k/v and gate/up, the grad_outputs of o_proj and down) becomes an FP8 one, at fewer bytes.
     # Per layer 4 gathers of [batch, seq / tp, hidden] per rank; 1 byte per element instead of 2.

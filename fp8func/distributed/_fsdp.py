@@ -539,6 +539,10 @@ def precompute_scales(model: torch.nn.Module) -> int:
     only while the weight is unchanged since (its version counter says so); a stale one is never
     used. Returns the number of weights it covered.
 
+    Other casts whose scale groups span ranks (a row-wise weight's column scales) get their scales
+    here too, one all-reduce per kind of reduction for all weights (their payloads are cast in the
+    hooks, which then reduce nothing).
+
     Every ``torch.optim`` optimizer does this by itself after each ``step()`` for the weights it
     holds (``precompute_after_optimizer_step``); call it yourself after updating weights another way.
     """
@@ -547,16 +551,18 @@ def precompute_scales(model: torch.nn.Module) -> int:
 
 def _precompute(params) -> int:
     groups: dict = {}
+    others: list = []  # weights whose other casts' scales are reduced over ranks (row-wise: w_t's columns)
     for p in params:
         local = local_tensor(p)
         if not (isinstance(local, Fp8AllGatherWeight) and isinstance(p, DTensor)):
             continue
-        if not isinstance(local._recipe.weight.granularity, TensorWise) or len(local._weight_casts()) != 1:
-            continue
         if local._param_dtype is None:  # never all-gathered yet: the param dtype is not known
             continue
+        if not isinstance(local._recipe.weight.granularity, TensorWise) or len(local._weight_casts()) != 1:
+            others.append(local)
+            continue
         groups.setdefault(p.device_mesh, []).append(local)
-    covered = 0
+    covered = _precompute_reduced_scales(others)
     for mesh, weights in groups.items():
         covered += len(weights)
         if all(w._kept_payload() is not None for w in weights):
@@ -577,6 +583,46 @@ def _precompute(params) -> int:
             scales = compute_scale(picked.reshape(-1, 1).expand(-1, 4).contiguous(), dtype, pow2)
             _cast_kept([weights[i] for i in rows], scales)
     return covered
+
+
+def _precompute_reduced_scales(weights: list) -> int:
+    """The scales of the casts that the pre-all-gather hooks would reduce over ranks (a row-wise
+    weight's ``w_t``: each column spans FSDP2's row shards), for every weight in one all-reduce
+    per kind of reduction instead of one per weight in its hook; kept for the hooks while the
+    weight is unchanged. The same bits: MAX is exact, and the amax of the fp32 master rounded to
+    the param dtype is the amax of the rounded shard (rounding is monotonic). Returns the number
+    of weights with such a cast."""
+    from .._casts import _amax
+
+    pending: dict = {}  # the reductions (mesh, mesh dims) in order -> [(weight, cast name, spec, amax)]
+    covered = set()
+    for w in weights:
+        kept = w.__dict__.get("_sharding_kept")
+        if kept is None:  # its hook has not run under FSDP2 yet: it reduces itself
+            continue
+        sharding, version, shape = kept[2], w.weight_version(), tuple(w._tensor.shape)
+        for name, spec in w._weight_casts():
+            reductions = tuple((sh.mesh, dims) for sh in sharding
+                               if (dims := tuple(d for d in sh.amax_mesh_dims(spec.granularity, shape)
+                                                 if sh.mesh.size(d) > 1)))
+            if not reductions:
+                continue
+            covered.add(id(w))
+            current = w._scales.get(name)
+            if current is not None and current[0] == version:
+                continue
+            amax = _amax(w._tensor, spec.granularity)
+            if w._tensor.dtype != w._param_dtype:
+                amax = amax.to(w._param_dtype).float()
+            pending.setdefault(reductions, []).append((w, name, spec, amax))
+    for reductions, entries in pending.items():
+        flat = torch.cat([amax.reshape(-1) for *_, amax in entries])
+        for mesh, dims in reductions:
+            flat = reduce_amax(flat, mesh, dims)
+        for (w, name, spec, amax), reduced in zip(entries, flat.split([a.numel() for *_, a in entries])):
+            w._scales[name] = (w.weight_version(), compute_scale(reduced.reshape(amax.shape), spec.dtype,
+                                                                 spec.pow2_scales))
+    return len(covered)
 
 
 def _cast_kept(weights: list, scales: torch.Tensor) -> None:
@@ -625,7 +671,7 @@ class _AfterStep:
 
 def precompute_after_optimizer_step(enabled: bool = True) -> bool:
     """Sets whether every ``torch.optim`` optimizer's ``step()`` ends with ``precompute_scales`` over
-    the tensorwise FSDP2 fp8 all-gather weights it holds (on by default); returns the previous setting.
+    the FSDP2 fp8 all-gather weights it holds (on by default); returns the previous setting.
 
     FSDP2 shards a model's weights the same way on every rank and every rank steps its optimizer
     together, so the one all-reduce this makes is matched on every rank. Turn it off only where an
