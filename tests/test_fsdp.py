@@ -236,13 +236,7 @@ def _rowwise_all_reduces(rank, world_size, auto):
     import torch.distributed._functional_collectives as funcol
 
     f8.distributed.precompute_after_optimizer_step(auto)
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = f8.convert(tiny_qwen3(layers=2), "rowwise")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = _model_and_opt(world_size, "rowwise", layers=2, lr=3e-3)
     counts, losses, orig = [], [], funcol.all_reduce
     funcol.all_reduce = lambda *a, **k: counts.__setitem__(-1, counts[-1] + 1) or orig(*a, **k)
     try:
@@ -458,14 +452,16 @@ def _kept_after_precompute(rank, world_size):
     return [(v[1].data_ptr() % 16, tuple(v[1].shape), v[2].dtype, tuple(v[2].shape)) for v in kept]
 
 
-def _model_and_opt(world_size):
+def _model_and_opt(world_size, recipe="tensorwise", layers=1, lr=1e-3):
+    """A tiny Qwen3 converted to ``recipe``, each layer and the root under FSDP2 (fp32 masters,
+    bf16 all-gathers), and its AdamW."""
     mesh = init_device_mesh("cpu", (world_size,))
-    model = f8.convert(tiny_qwen3(layers=1), "tensorwise")
+    model = f8.convert(tiny_qwen3(layers=layers), recipe)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
 def test_precomputed_scales_are_aligned_and_keep_the_fp8_shard():
