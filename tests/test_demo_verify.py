@@ -154,6 +154,7 @@ def _fsdp_verify(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_verify_under_fsdp2_reports_fp8_all_gathers():
     for out in run_workers(_fsdp_verify, 2):
         for fp8 in (True, "fp8_weights"):  # fp8 all-gather of hp weights, and fp8 weights

@@ -317,6 +317,7 @@ def test_second_convert_reconverts_or_raises():
     assert model.lm_head.recipe.name == "rowwise"
 
 
+@pytest.mark.slow
 def test_second_convert_of_a_sharded_layer_raises():
     from .dist_harness import run_workers
 

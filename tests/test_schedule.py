@@ -76,6 +76,7 @@ def _fsdp(rank, world_size, scheduled, fp8_gather):
         return str(e)
 
 
+@pytest.mark.slow
 def test_schedule_under_fsdp2():
     plain = run_workers(_fsdp, 2, False, False)
     sched = run_workers(_fsdp, 2, True, False)
