@@ -90,6 +90,7 @@ def test_converted_model_trains_like_functional_linear(gather):
     assert torch.equal(gx, gx_ref)
 
 
+@pytest.mark.slow
 def test_qwen3_converts_and_runs_compiled():
     torch._dynamo.reset()
     model = f8.convert(tiny_qwen3(layers=1), "tensorwise")

@@ -39,6 +39,7 @@ def test_schedule_switches_precisions_by_step():
     assert scheduled[:2] != fp8_all[:2]
 
 
+@pytest.mark.slow
 def test_schedule_costs_one_graph_per_precision_under_compile():
     from torch._dynamo.utils import counters
 
