@@ -231,7 +231,7 @@ def build(args, name: str, mesh, device):
         f8.nn.hook_scaling_states(model)  # parallelize_module made the state buffers DTensors: hook those
     if args.compile:  # per-layer compile, FSDP2's hooks eager (the torchtitan layout)
         for layer in model.model.layers:
-            layer.compile()
+            layer.compile(backend=args.compile_backend)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
 
 
@@ -431,6 +431,9 @@ def parse_args():
     p.add_argument("--bytes-steps", type=int, default=2, help="steps after the warm-up whose collectives are counted")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer (default: on for cuda, off for cpu)")
+    p.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager"),
+                   help="torch.compile backend of --compile; aot_eager: dynamo's graphs (and breaks) and "
+                        "AOTAutograd's, with their collectives, run without inductor's code generation")
     p.add_argument("--precompute-scales", action=argparse.BooleanOptionalAction, default=True,
                    help="tensorwise with FSDP2 fp8 all-gather: compute the weights' scales in one all-reduce "
                         "after each optimizer step (both libraries; the recommended FSDP2 setting)")
@@ -501,7 +504,7 @@ def report(args, rows, world, mesh) -> None:
         ao = "not installed"
     env = environment(world, args.device) | {
         "world size": str(world), "mesh": f"dp={submesh(mesh, 'dp').size()} x tp={submesh(mesh, 'tp').size()}", "torchao": ao,
-        "transformers": transformers.__version__, "compile": str(args.compile),
+        "transformers": transformers.__version__, "compile": f"{args.compile} ({args.compile_backend})" if args.compile else "False",
         "deterministic mode": args.deterministic}
     bf16 = next((r["tokens_per_s"] for r in rows if r["config"] == "bf16" and "tokens_per_s" in r), None)
     description = (f"Llama {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, heads {args.heads}/"

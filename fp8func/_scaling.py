@@ -19,6 +19,7 @@ of ``b`` consecutive elements. The scale tensor always has the data's rank, with
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from typing import Union
 
@@ -396,8 +397,10 @@ class Recipe:
         ``Recipe.from_name("delayed", delayed=DelayedScaling(history_len=32))``.
         """
         if name not in _NAMED_RECIPES:
+            close = difflib.get_close_matches(name, _NAMED_RECIPES, n=1) if isinstance(name, str) else []
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(
-                f"Recipe.from_name({name!r}): unknown recipe; expected one of {tuple(_NAMED_RECIPES)}."
+                f"Recipe.from_name({name!r}): unknown recipe{hint}; expected one of {tuple(_NAMED_RECIPES)}."
             )
         recipe = _NAMED_RECIPES[name]  # prebuilt: torch.compile reads it as a constant
         return dataclasses.replace(recipe, **overrides) if overrides else recipe

@@ -33,7 +33,11 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers import TrainerCallback
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # the one line a user without the extra needs
+    raise ImportError("fp8func.hf needs transformers (and accelerate for FSDP2): pip install 'fp8func[hf]' "
+                      "(from a clone: pip install -e '.[hf]')") from e
 
 from .distributed import share_scaling_state
 from .nn import Fp8Linear, convert, report
@@ -116,7 +120,7 @@ class Fp8Callback(TrainerCallback):
         convert(model, self.recipe, filter=self.filter, fsdp_fp8_all_gather=self.fsdp_fp8_all_gather,
                 tokens=self.tokens)
         if state.is_world_process_zero:
-            log.info("fp8func: %s", str(report(model, print_table=False)).splitlines()[-1])
+            log.info("Fp8Callback: %s", str(report(model, print_table=False)).splitlines()[-1])
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]

@@ -13,6 +13,7 @@ SQNR). Uses matplotlib's Agg canvas (no display, no pyplot state).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import re
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics", default=",".join(_DEFAULT_METRICS),
                         help=f"comma-separated, from {', '.join(_METRICS)}")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.exit(1, "python -m fp8func.stats_plot needs matplotlib, which is not installed: pip install "
+                       "'fp8func[demo]' (from a clone: pip install -e '.[demo]')\n")
     n = plot(args.stats_json, args.out_png, args.tensor, [m.strip() for m in args.metrics.split(",") if m.strip()])
     print(f"wrote {args.out_png}: {n} layers")
 

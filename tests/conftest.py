@@ -32,6 +32,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _one_process_unless_slow(request, monkeypatch):
+    # `python -m pytest` (the quick tier) runs in one process; tests that spawn ranks are `slow`.
+    from . import dist_harness
+
+    monkeypatch.setattr(dist_harness, "SPAWN_ALLOWED", request.node.get_closest_marker("slow") is not None)
+
+
+@pytest.fixture(autouse=True)
 def _no_tf32():
     # The emulated GEMM is an fp32 reference; TF32 would make it something else.
     prev = torch.backends.cuda.matmul.allow_tf32

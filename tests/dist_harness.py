@@ -40,7 +40,13 @@ def _entry(rank, fn, world_size, workdir, args):
     os._exit(0)
 
 
+SPAWN_ALLOWED = True  # tests/conftest.py sets it per test: False unless the test is marked slow
+
+
 def run_workers(fn, world_size, *args):
+    if not SPAWN_ALLOWED:
+        raise RuntimeError("run_workers spawns processes, which the quick tier (python -m pytest) does not: mark "
+                           "the test @pytest.mark.slow (python -m pytest -m slow runs it).")
     with tempfile.TemporaryDirectory() as workdir:
         mp.spawn(_entry, args=(fn, world_size, workdir, args), nprocs=world_size, join=True)
         return [torch.load(os.path.join(workdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,6 +1,10 @@
 """The public API contract, packaging, and the error messages of the scaling layer."""
 
+import importlib
 import importlib.util
+import pathlib
+import re
+import sys
 
 import pytest
 import torch
@@ -30,6 +34,27 @@ def test_named_recipes_are_what_the_docs_say():
     assert blk.weight.granularity == f8.BlockWise((128, 128)) and blk.input.granularity == f8.BlockWise((1, 128))
     assert f8.Recipe.from_name("mxfp8").input.pow2_scales
     assert f8.Recipe.from_name("rowwise", path="emulated").path == "emulated"
+
+
+def test_extras_hold_what_the_demo_and_fp8func_hf_import():
+    tomllib = pytest.importorskip("tomllib")
+    from fp8func.demo import _train
+
+    extras = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names = {extra: {re.split(r"[<>=\[ ]", req)[0] for req in reqs} for extra, reqs in extras.items()}
+    assert names["demo"] == set(_train.DEMO_PACKAGES) == {"transformers", "matplotlib"}
+    assert names["hf"] == {"transformers", "accelerate"}
+    assert names["demo"] | names["hf"] | {"pytest", "hypothesis", "torchao"} <= names["dev"]
+    assert "torchao" not in names["demo"] | names["hf"]  # its import prints C-extension load failures
+
+
+def test_fp8func_hf_without_transformers_names_the_extra(monkeypatch):
+    monkeypatch.delitem(sys.modules, "fp8func.hf", raising=False)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"^fp8func.hf needs transformers \(and accelerate for FSDP2\): "
+                                          r"pip install 'fp8func\[hf\]'"):
+        importlib.import_module("fp8func.hf")
 
 
 def test_kernels_installed_as_subpackage_only():

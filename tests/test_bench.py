@@ -55,6 +55,7 @@ def _auto_count(spec: dict) -> int:
     return sum(r.converted for r in f8.report(model, print_table=False))
 
 
+@pytest.mark.slow
 def test_model_bench_runs_every_fp8func_config_and_writes_json(tmp_path, capsys):
     names = ["bf16", "tensorwise", "rowwise", "blockwise", "delayed", "auto"]
     out = _run(tmp_path, "model", "--compile", "none", "--configs", ",".join(names))
@@ -105,6 +106,7 @@ def test_model_bench_per_block_compile(tmp_path):
     assert "compile: each decoder layer and the loss compiled on their own" in out["setup"]
 
 
+@pytest.mark.slow
 def test_fsdp_bench_one_rank_on_and_off(tmp_path, capsys):
     names = ["bf16", "tensorwise", "tensorwise-off", "rowwise", "rowwise-off", "delayed", "delayed-off"]
     out = _run(tmp_path, "fsdp", "--compile", "none", "--configs", ",".join(names))

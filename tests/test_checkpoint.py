@@ -14,6 +14,8 @@ import fp8func as f8
 from .dist_harness import run_workers
 from .models import batch, tiny_qwen3
 
+pytestmark = pytest.mark.slow  # every test here spawns processes (gloo or torchrun)
+
 
 def _model(recipe, fp8_gather):
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))

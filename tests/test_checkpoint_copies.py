@@ -254,6 +254,7 @@ def test_assigning_data_keeps_the_weight_type_and_takes_the_values(kind):
         assert torch.equal(layer(x), fresh(x))
 
 
+@pytest.mark.slow
 def test_a_delayed_layer_sharded_on_meta_lists_its_state_as_dtensors():
     """accelerate's cpu_ram_efficient_loading reads the state_dict of the model sharded on the meta
     device, takes every entry's mesh and placements, then loads rank 0's values with

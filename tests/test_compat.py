@@ -52,6 +52,7 @@ def _readers(rank, world_size, tp):
             "same": local is _compat.find_fsdp_param(local)[1]._sharded_local_tensor}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [False, True])
 def test_every_private_reader_finds_what_it_reads(tp):
     r = run_workers(_readers, 2, tp)[0]

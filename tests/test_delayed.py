@@ -463,6 +463,7 @@ def _dtensor_delayed(rank, world_size):
             "rel": ((y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()}
 
 
+@pytest.mark.slow
 def test_delayed_linear_on_dtensors_records_the_global_amax():
     """Column-parallel DTensor operands (stock TP): the next states hold the whole tensors' amaxes,
     as plain tensors equal on every rank, and the output is the one-process output."""

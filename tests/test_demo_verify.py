@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 import sys
 
 import pytest
@@ -153,6 +154,7 @@ def _fsdp_verify(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_verify_under_fsdp2_reports_fp8_all_gathers():
     for out in run_workers(_fsdp_verify, 2):
         for fp8 in (True, "fp8_weights"):  # fp8 all-gather of hp weights, and fp8 weights
@@ -169,7 +171,7 @@ def test_verify_under_fsdp2_reports_fp8_all_gathers():
         assert all(all_gather == "high precision" for *_, all_gather in rows)
 
 
-def _demo(tmp_path, capsys, *extra):
+def _demo(tmp_path, capsys, *extra, err=None):
     from fp8func.demo import main
 
     out = tmp_path / "loss.png"
@@ -177,9 +179,11 @@ def _demo(tmp_path, capsys, *extra):
     rc = main(["--steps", "3", "--seq", "64", "--batch", "4", "--device", "cpu", "--threads", "1", "--out", str(out),
                *extra])
     assert torch.get_num_threads() == threads  # main() sets its threads and puts them back
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr()
     assert rc == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-    return printed.splitlines()
+    if err is not None:
+        err.append(printed.err)
+    return printed.out.splitlines()
 
 
 def _row(lines, name):
@@ -187,7 +191,8 @@ def _row(lines, name):
 
 
 def test_demo_prints_a_short_header_the_fp8_check_and_the_loss_table(tmp_path, capsys):
-    lines = _demo(tmp_path, capsys)
+    err = []
+    lines = _demo(tmp_path, capsys, err=err)
     assert lines[0].startswith("fp8func demo: bf16 vs FP8 (tensorwise) on cpu (")
     assert "1 CPU thread (--threads)" in lines[0]
     assert lines[1].startswith("model: Llama, 4 layers") and lines[1].endswith("29/29 linear layers in FP8")
@@ -209,6 +214,76 @@ def test_demo_prints_a_short_header_the_fp8_check_and_the_loss_table(tmp_path, c
                for line in lines)
     assert lines[-1].startswith(f"loss curves: {tmp_path / 'loss.png'}; total ")
     assert len(lines) < 30
+    # the progress bar shows each step's loss next to that step's number (the table's losses, rounded)
+    bf16 = {int(s): float(v) for s in ("1", "2", "3") for v in _row(lines, f"step {s}")[:1]}
+    shown = [(int(n), float(v)) for n, v in re.findall(r" (\d)/3 \[[^]]*, bf16 ([\d.]+) ", err[0])]
+    assert shown and all(f"{v:.3f}" == f"{bf16[n]:.3f}" for n, v in shown), (shown, bf16)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--recipe", "tensorwize"], "argument --recipe: unknown recipe 'tensorwize' (did you mean 'tensorwise'?)"),
+    (["--steps", "0"], "argument --steps: 0 is below 1; give 1 or more"),
+    (["--noise-seeds", "-1"], "argument --noise-seeds: -1 is below 0"),
+    (["--lr", "0"], "argument --lr: 0.0 is not a positive finite number"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--device", "cuda"], "argument --device: cuda, but no CUDA device is visible; use --device cpu (or auto)"),
+    (["--out", "{tmp}/missing/loss.png"], "argument --out: the folder {tmp}/missing does not exist"),
+    (["--out", "{tmp}"], "argument --out: {tmp} is a folder; give a file name such as {tmp}/loss.png"),
+    (["--seq", "20000"], "argument --seq: Batches: seq=20000 does not fit the corpus"),
+    (["--recipe", "blockwise", "--batch", "2", "--seq", "32"],
+     "argument --recipe: blockwise does not fit --batch 2 x --seq 32 = 64 tokens per step: "),
+])
+def test_demo_refuses_wrong_flags_before_any_work(argv, message, tmp_path, capsys, monkeypatch):
+    from fp8func.demo import _train, main
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the demo built a model before checking its flags")
+
+    monkeypatch.setattr(_train, "build_model", no_work)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out", str(tmp_path / "loss.png"), *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: python -m fp8func.demo"), err
+    assert f"python -m fp8func.demo: error: {message.format(tmp=tmp_path)}" in err, err
+
+
+def test_demo_refuses_an_unwritable_out_folder(tmp_path, capsys, monkeypatch):
+    from fp8func.demo import main
+
+    monkeypatch.setattr(os, "access", lambda path, mode: path != str(tmp_path))  # root may write anywhere
+    with pytest.raises(SystemExit, match="2"):
+        main(["--out", str(tmp_path / "loss.png")])
+    assert f"argument --out: the folder {tmp_path} is not writable; write elsewhere" in capsys.readouterr().err
+
+
+def test_demo_help_shows_defaults_in_plain_text(capsys, monkeypatch):
+    from fp8func.demo import main
+
+    monkeypatch.setenv("COLUMNS", "200")  # argparse wraps at the terminal's width: one line per option here
+    with pytest.raises(SystemExit, match="0"):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "{tensorwise,rowwise,rowwise_with_gw_hp,blockwise,mxfp8,delayed}" in out
+    for default in ("(default: tensorwise)", "(default: 150)", "(default: fp8_demo_loss.png)", "(default: 1)"):
+        assert default in out, default
+    assert "``" not in out and "pip install 'fp8func[demo]'" in out
+
+
+def test_demo_without_its_extra_says_which_one_before_any_work(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from fp8func.demo import _train, main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(_train, "build_model", lambda *a, **k: pytest.fail("built a model without matplotlib"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    assert main(["--out", str(tmp_path / "loss.png")]) == 1
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err == (
+        "python -m fp8func.demo needs matplotlib, which is not installed: pip install 'fp8func[demo]' "
+        "(from a clone: pip install -e '.[demo]')\n")
 
 
 def test_demo_runs_one_bf16_run_per_noise_seed(tmp_path, capsys):
@@ -272,6 +347,20 @@ def test_png_draws_bf16_fp8_and_the_seed_band(tmp_path):
     assert top_edge > 0.9  # the 1% turns of seed 1
     _plot.plot(str(tmp_path / "p.png"), runs, "title")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "the blue band is how much two bf16 runs differ" in fig.get_supxlabel()
+
+
+def test_png_without_noise_runs_draws_no_band_and_says_so():
+    from matplotlib.collections import PolyCollection
+
+    from fp8func.demo import _plot
+
+    ref = [3.0 - 0.01 * i for i in range(80)]
+    fig = _plot.figure([_result("bf16", "bf16", 0, ref), _result("fp8", "fp8", 0, [v * 1.002 for v in ref])], "t")
+    assert not any(isinstance(c, PolyCollection) for ax in fig.axes for c in ax.collections)
+    caption = fig.get_supxlabel()
+    assert "band" in caption and "blue band is" not in caption
+    assert "No bf16 run with another seed (--noise-seeds 0), so no noise band" in caption
 
 
 def test_check_table_groups_ok_layers_and_names_failures():
@@ -309,7 +398,7 @@ def test_demo_data_order_is_fixed_and_progress_falls_back(monkeypatch, capsys):
     assert len(tokens) == 144_430 and bytes(tokens[:32].tolist()) == b"ALICE'S ADVENTURES IN WONDERLAND"
     a, b = Batches(tokens, steps=4, batch=2, seq=32), Batches(tokens, steps=4, batch=2, seq=32)
     assert all(torch.equal(a[i], b[i]) for i in range(4)) and not torch.equal(a[0], a[1])
-    with pytest.raises(ValueError, match=r"seq=20000 does not fit the corpus .* use --seq below 14443"):
+    with pytest.raises(ValueError, match=r"seq=20000 does not fit the corpus .* use --seq 14443 or less"):
         Batches(tokens, steps=1, batch=1, seq=20000)
     monkeypatch.setitem(sys.modules, "tqdm", None)  # no tqdm: one line on stderr, rewritten with \r
     bar = _report.progress(range(1, 200), 200, "train", initial=1)

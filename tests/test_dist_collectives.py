@@ -10,6 +10,8 @@ from fp8func._scaling import block_lengths
 
 from .dist_harness import run_workers
 
+pytestmark = pytest.mark.slow  # every test here spawns processes (gloo or torchrun)
+
 GRANULARITIES = [f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(0), f8.BlockWise((1, 4)),
                  f8.BlockWise((4, 4)), f8.MX(4), f8.MX(4, axis=0)]
 

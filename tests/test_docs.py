@@ -6,6 +6,8 @@ Convention (for whoever writes docs):
   fence (``docs/guide.md:42``), so a failure names the block.
 * The blocks of one file run in order, in one namespace: a block may use what an earlier block
   of the same file defined (a model, a tensor). Keep sizes small: the whole file runs in CI.
+  README.md is the exception: readers copy its blocks one at a time, so each runs alone, in a
+  namespace of its own (``SELF_CONTAINED``).
 * A block that cannot run on a CPU in one process is marked by an HTML comment on the line
   directly above its opening fence, which GitHub does not render, with the reason:
 
@@ -75,6 +77,7 @@ def parse(path: pathlib.Path) -> list[Block]:
 
 
 BLOCKS = [b for path in DOCS for b in parse(path)]
+SELF_CONTAINED = {"README.md"}  # files whose blocks each run alone, from their own imports
 _NAMESPACES: dict[str, types.ModuleType] = {}   # file -> the module whose namespace its blocks share
 _RAN: dict[str, set[int]] = {}      # file -> lines of the blocks that ran without error
 
@@ -90,6 +93,12 @@ def test_doc_block_runs(block: Block, tmp_path, monkeypatch):
     if block.skip:
         pytest.skip(f"{block.id}: {block.skip}")
     monkeypatch.chdir(tmp_path)
+    if block.path in SELF_CONTAINED:
+        torch.manual_seed(0)
+        module = types.ModuleType("__docs__")
+        monkeypatch.setitem(sys.modules, "__docs__", module)
+        _run_reporting(block, module.__dict__)
+        return
     if block.path not in _NAMESPACES:
         torch.manual_seed(0)
         # a real module: torch.compile looks up the module of the functions it traces
@@ -106,12 +115,17 @@ def test_doc_block_runs(block: Block, tmp_path, monkeypatch):
                 except Exception as e:  # the earlier block's own item reports it
                     pytest.skip(f"needs {earlier.id}, which failed: {type(e).__name__}: {e}")
                 _RAN[block.path].add(earlier.line)
+    _run_reporting(block, ns)
+    _RAN[block.path].add(block.line)
+
+
+def _run_reporting(block: Block, ns: dict) -> None:
     try:
         _run(block, ns)
     except Exception as e:
-        raise AssertionError(f"the Python block at {block.id} raised {type(e).__name__}: {e}. Make it run "
+        alone = " alone, from its own imports," if block.path in SELF_CONTAINED else ""
+        raise AssertionError(f"the Python block at {block.id} raised {type(e).__name__}: {e}. Make it run{alone} "
                              f"on a CPU as written, or mark it '<!-- skip: reason -->' (see tests/test_docs.py)") from e
-    _RAN[block.path].add(block.line)
 
 
 def test_skip_markers_sit_on_python_blocks():

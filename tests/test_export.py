@@ -55,6 +55,7 @@ def test_unconvert_gives_back_hf_moe_experts():
         assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
+@pytest.mark.slow
 def test_unconvert_refuses_sharded_layers():
     from .dist_harness import run_workers
 

@@ -359,6 +359,7 @@ def _fsdp_grad_norms(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_fsdp_gradients_land_on_the_masters():
     # FSDP2 calls the hook after its reduce-scatter: the masters hold the whole gradient, and its
     # norm is bitwise the fp8 all-gather model's (the same reduce-scattered gradients).

@@ -124,6 +124,7 @@ def _row_scale_bytes(model, world_size: int) -> int:
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_fsdp_fp8_all_gather_on_off_bitwise_and_bytes(recipe):
     steps = 20
@@ -145,6 +146,7 @@ def test_fsdp_fp8_all_gather_on_off_bitwise_and_bytes(recipe):
     assert saved == steps * 2 * (fp8_numel // world - on[0]["scale_bytes"]), (saved, on[0]["bytes"], off[0]["bytes"])
 
 
+@pytest.mark.slow
 def test_fsdp_delayed_scaling_with_a_dynamic_weight_gathers_fp8_bitwise():
     """``DelayedScaling(weight=False)``: the input and grad_output keep their histories, the weight
     is cast dynamically, so FSDP2 all-gathers it in FP8 (half the bytes), bitwise the bf16 gather."""
@@ -159,6 +161,7 @@ def test_fsdp_delayed_scaling_with_a_dynamic_weight_gathers_fp8_bitwise():
     assert off[0]["bytes"] - on[0]["bytes"] == steps * 2 * (fp8_numel // 2), (on[0]["bytes"], off[0]["bytes"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fsdp_bf16_weights_and_no_reshard(recipe):
     # No resharding after forward: one gather per step, and row-wise weights send both casts in it.
@@ -170,12 +173,14 @@ def test_fsdp_bf16_weights_and_no_reshard(recipe):
     assert off[0]["bytes"] - on[0]["bytes"] == 6 * ((2 - payloads) * fp8_numel // 2 - on[0]["scale_bytes"])
 
 
+@pytest.mark.slow
 def test_fsdp_four_ranks_rowwise():
     on = run_workers(_train, 4, "rowwise", True, 6, True, "fp32-master")
     off = run_workers(_train, 4, "rowwise", False, 6, True, "fp32-master")
     assert on[0]["losses"] == off[0]["losses"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe,reshard", [("rowwise", False), ("rowwise", True), ("blockwise", True)])
 def test_fsdp_one_rank_mesh(recipe, reshard):
     # dp=1 (TP only, or one GPU, with fully_shard applied anyway): FSDP2 then skips the collective
@@ -186,6 +191,7 @@ def test_fsdp_one_rank_mesh(recipe, reshard):
     assert on["bytes"] == off["bytes"] == 0  # no collective on one rank
 
 
+@pytest.mark.slow
 def test_precompute_scales_keeps_the_contract():
     on = run_workers(_train, 2, "tensorwise", True, 6, True, "fp32-master", True)
     off = run_workers(_train, 2, "tensorwise", False, 6, True, "fp32-master")
@@ -198,6 +204,7 @@ def test_precompute_scales_keeps_the_contract():
     assert on[0]["fresh_scales"] == 15
 
 
+@pytest.mark.slow
 def test_every_optimizer_step_precomputes_the_scales():
     """By default every optimizer step ends with precompute_scales over the fp8 weights it holds: after
     the first step no all-gather hook computes a scale, the losses are bitwise the fp8 all-gather off,
@@ -255,6 +262,7 @@ def _rowwise_all_reduces(rank, world_size, auto):
     return {"losses": losses, "counts": counts, "weights": weights}
 
 
+@pytest.mark.slow
 def test_rowwise_weights_column_scales_are_precomputed_in_one_all_reduce():
     """Row-wise weights under FSDP2: each w_t cast's column amax spans the row shards. The hooks
     reduce it per weight (15 per step: 2 layers x 7 and lm_head); the optimizer step's precompute
@@ -268,6 +276,7 @@ def test_rowwise_weights_column_scales_are_precomputed_in_one_all_reduce():
     assert auto[0]["counts"] == [15 + 1, 1, 1], auto[0]["counts"]
 
 
+@pytest.mark.slow
 def test_a_precomputed_scale_is_never_used_stale():
     """Precomputed once, after step 0: the optimizer's later updates make it stale, so the hook
     computes fresh scales (the optimizer writes through FSDP2's DTensor into the wrapper, below
@@ -280,6 +289,7 @@ def test_a_precomputed_scale_is_never_used_stale():
     assert on["precomputed_used"] >= 15 and on["fresh_scales"] == 2 * 15, (on["precomputed_used"], on["fresh_scales"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_fsdp_compiled_on_off_bitwise(recipe):
     (on, off), _ = run_workers(_train_on_off, 2, recipe, 3, True, "fp32-master", False, True)
@@ -299,6 +309,7 @@ def _misaligned_blocks(rank, world_size):
     return "no error"
 
 
+@pytest.mark.slow
 def test_fsdp_blockwise_misaligned_shards_raise_with_the_fix():
     msg = run_workers(_misaligned_blocks, 4)[0]
     assert "row shards of [64, 64, 64, 64] over 4 ranks" in msg and "fsdp_fp8_all_gather=False" in msg
@@ -323,6 +334,7 @@ def _checkpointed(rank, world_size, recipe, fp8_gather):
     return loss.item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_activation_checkpointing(recipe):
     on = run_workers(_checkpointed, 2, recipe, True)[0]
@@ -363,6 +375,7 @@ def _checkpointed_delayed(rank, world_size, checkpointing):
     return losses
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_with_delayed_scaling_under_fsdp2():
     """FSDP2 + checkpoint_wrapper + delayed scaling: the recomputed layers cast with their
     forward's state (the forward never moves it), so the losses are bitwise the run without
@@ -373,6 +386,7 @@ def test_activation_checkpointing_with_delayed_scaling_under_fsdp2():
     assert plain == replayed == stock and all(isinstance(r, list) and len(r) == 3 for r in plain), (plain, stock)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fsdp_uneven_shards(recipe):
     # 3 ranks: 256-row weights shard as 86/86/84 rows, so FSDP2 pads the last shard.
@@ -464,6 +478,7 @@ def _model_and_opt(world_size, recipe="tensorwise", layers=1, lr=1e-3):
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
+@pytest.mark.slow
 def test_precomputed_scales_are_aligned_and_keep_the_fp8_shard():
     """Every precomputed scale starts on a 16-byte boundary (cuBLASLt rejects a scale pointer
     that does not: CUBLAS_STATUS_NOT_SUPPORTED), and its fp8 shard is kept for the all-gathers."""

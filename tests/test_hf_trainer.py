@@ -29,6 +29,7 @@ def _run(rank, world_size, fp8_all_gather, recipe="tensorwise"):
     return _example().worker(rank, world_size, ARGV + ["--recipe", recipe], fp8_all_gather)
 
 
+@pytest.mark.slow
 def test_hf_trainer_fsdp2_fp8_all_gather_on_off_bitwise():
     # Also: each run checkpoints at step 3, and a new Trainer resumed from it logs bitwise the same losses.
     on = run_workers(_run, 2, True)

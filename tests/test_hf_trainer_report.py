@@ -56,6 +56,7 @@ EAGER = [  # (label, flags): the report's bf16 model and loading keys, eager, an
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [f for _, f in EAGER], ids=[label for label, _ in EAGER])
 def test_report_script_eager(flags):
     recipe = flags[flags.index("--recipe") + 1] if "--recipe" in flags else "tensorwise"

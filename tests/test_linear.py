@@ -223,7 +223,7 @@ def test_kernel_granularities_are_the_kernels_own():
         assert _has_kernel(g) == supported, g
 
 
-@pytest.mark.parametrize("dtensor", [False, True])
+@pytest.mark.parametrize("dtensor", [False, pytest.param(True, marks=pytest.mark.slow)])  # True: a one-rank process
 @pytest.mark.parametrize("compiled", [False, True])
 def test_backward_reads_a_given_weight_cast_after_its_refill(compiled, dtensor):
     # FSDP2's row-wise fp8 all-gather under reshard_after_forward: the forward's gather carries

@@ -172,6 +172,7 @@ def _close(a, b, rtol):
     return all(abs(x - y) <= rtol * abs(y) for x, y in zip(a, b)), [f"{x:.6f}/{y:.6f}" for x, y in zip(a, b)]
 
 
+@pytest.mark.slow
 def test_expert_parallel_two_ranks():
     steps, world = 10, 2
     runs = run_workers(_ep_suite, world, steps)
@@ -217,6 +218,7 @@ def _ep_four(rank, world, steps):
     return _train(rank, world, True, steps, True)
 
 
+@pytest.mark.slow
 def test_expert_parallel_four_ranks_fp8():
     steps, world = 6, 4
     runs = run_workers(_ep_four, world, steps)
@@ -259,6 +261,7 @@ def _fsdp_and_ep(rank, world, steps):
     return {"losses": losses, "expert_shard": tuple(moe.w_gate.to_local().shape)}
 
 
+@pytest.mark.slow
 def test_expert_parallel_with_fsdp2_on_the_other_mesh_dim():
     steps, world = 6, 4
     runs = run_workers(_fsdp_and_ep, world, steps)

@@ -33,8 +33,11 @@ def test_convert_keeps_names_values_and_logs_one_line(caplog):
     before = {k: v.clone() for k, v in net.state_dict().items()}
     with caplog.at_level(logging.INFO, logger="fp8func"):
         f8.convert(net, "tensorwise")
-    lines = [r.getMessage() for r in caplog.records if r.name == "fp8func"]
-    assert lines == ["fp8func: converted 2/4 linear layers (recipe=tensorwise, fsdp_fp8_all_gather=True)"]
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "fp8func"]
+    assert lines == [("WARNING", "convert: 2/4 linear layers in FP8 (recipe=tensorwise, fsdp_fp8_all_gather=True); "
+                                 "kept in high precision: odd (K=128, N=24: FP8 GEMMs need both divisible by 16); "
+                                 "down (K=24, N=64: FP8 GEMMs need both divisible by 16). fp8func.report(model) "
+                                 "lists every layer and why.")]
     after = net.state_dict()
     assert list(after) == list(before)
     for k in before:
@@ -87,6 +90,7 @@ def test_converted_model_trains_like_functional_linear(gather):
     assert torch.equal(gx, gx_ref)
 
 
+@pytest.mark.slow
 def test_qwen3_converts_and_runs_compiled():
     torch._dynamo.reset()
     model = f8.convert(tiny_qwen3(layers=1), "tensorwise")
@@ -108,6 +112,65 @@ def test_fsdp_gathered_weight_refuses_other_uses():
     with pytest.raises(RuntimeError, match="only Fp8Linear can consume it"):
         w + 1
     assert isinstance(w.detach(), Fp8GatheredWeight)
+
+
+def _logged(caplog, fn, *args, **kwargs) -> list[tuple[str, str]]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fp8func"):
+        fn(*args, **kwargs)
+    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "fp8func"]
+
+
+def test_convert_warns_about_what_it_leaves_in_high_precision(caplog):
+    square = lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))  # noqa: E731
+    # every layer in FP8: one INFO line, no prefix of its own (the logger's name is "fp8func")
+    assert _logged(caplog, f8.convert, square(), "tensorwise") == [
+        ("INFO", "convert: 2/2 linear layers in FP8 (recipe=tensorwise, fsdp_fp8_all_gather=True)")]
+    # layers the filter excludes are the user's choice: counted, not warned about
+    assert _logged(caplog, f8.convert, square(), "rowwise", filter=["2"]) == [
+        ("INFO", "convert: 1/2 linear layers in FP8 (recipe=rowwise, fsdp_fp8_all_gather=True)")]
+    [(level, line)] = _logged(caplog, f8.convert, nn.Sequential(nn.Linear(100, 10)), "tensorwise")
+    assert level == "WARNING" and line.startswith("convert: 0/1 linear layers in FP8 (recipe=tensorwise, ")
+    assert "; nothing is in FP8; kept in high precision: 0 (K=100, N=10: FP8 GEMMs need both divisible by 16)" in line
+    [(level, line)] = _logged(caplog, f8.convert, square(), "tensorwise", filter=["0", "2"])
+    assert level == "WARNING" and "nothing is in FP8; kept in high precision: 0, 2 (excluded by filter)" in line
+    assert _logged(caplog, f8.convert, nn.Sequential(nn.ReLU()), "tensorwise") == [
+        ("WARNING", "convert: the model has no nn.Linear layer (nor HF fused MoE experts module): nothing is in FP8.")]
+    [(level, line)] = _logged(caplog, f8.convert, tiny_qwen3(layers=1, vocab=1000), "tensorwise")
+    assert level == "WARNING" and line.startswith("convert: 7/8 linear layers in FP8")
+    assert "kept in high precision: lm_head (K=256, N=1000: FP8 GEMMs need both divisible by 16)" in line
+    many = nn.Sequential(*[nn.Linear(64, 40) if i % 2 else nn.Linear(40, 64) for i in range(10)])
+    [(level, line)] = _logged(caplog, f8.convert, many, "tensorwise")
+    assert ("kept in high precision: 0, 2, 4 and 2 more (K=40, N=64: FP8 GEMMs need both divisible by 16); "
+            "1, 3, 5 and 2 more (K=64, N=40: FP8 GEMMs need both divisible by 16).") in line
+
+
+def test_second_convert_with_other_options_warns_and_names_the_change(caplog):
+    model = f8.convert(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32)), "tensorwise")
+    assert _logged(caplog, f8.convert, model, "tensorwise") == [  # the same options: nothing changes
+        ("INFO", "convert: 2/2 linear layers in FP8 (recipe=tensorwise, fsdp_fp8_all_gather=True)")]
+    [(level, line)] = _logged(caplog, f8.convert, model, "rowwise", fp8_weights=True)
+    assert level == "WARNING" and model[0].recipe.name == "rowwise" and model[0].fp8_weights
+    assert ("in FP8 from an earlier convert() and converted again from their high-precision values (exclude them "
+            "with filter=[...] to keep them as they are): 0, 1 (tensorwise, fsdp_fp8_all_gather=True -> rowwise, "
+            "fsdp_fp8_all_gather=True, fp8_weights=True)") in line
+    [(level, line)] = _logged(caplog, f8.convert, model, "blockwise", filter=["1"])  # 64x64 has no 128x128 block
+    assert level == "WARNING" and type(model[0]) is nn.Linear and model[1].recipe.name == "rowwise"
+    assert "kept in high precision: 0 (weight cast BlockWise(block=(128, 128)) does not tile" in line
+    assert "0 (rowwise, fsdp_fp8_all_gather=True, fp8_weights=True -> high precision)" in line
+
+
+def test_convert_refuses_what_is_not_a_module_and_suggests_a_recipe_name():
+    for fn in (f8.convert, f8.nn.plan_conversion, f8.unconvert, f8.report):
+        with pytest.raises(TypeError, match=rf"{fn.__name__}: model is a torch.Tensor; expected a torch.nn.Module"):
+            fn(torch.randn(3))
+    with pytest.raises(TypeError, match=r"convert: model is a dict; expected a torch.nn.Module .* fp8func.quantize"):
+        f8.convert({"w": torch.randn(3)}, "rowwise")
+    for typo, name in (("tensorwize", "tensorwise"), ("row_wise", "rowwise"), ("mxfp4", "mxfp8")):
+        with pytest.raises(ValueError, match=rf"unknown recipe \(did you mean '{name}'\?\); expected one of"):
+            f8.convert(Net(), typo)
+    with pytest.raises(ValueError, match=r"Recipe.from_name\('fp4'\): unknown recipe; expected one of"):
+        f8.Recipe.from_name("fp4")  # nothing close: no guess
 
 
 def test_shell_errors():
@@ -255,6 +318,7 @@ def test_second_convert_reconverts_or_raises():
     assert model.lm_head.recipe.name == "rowwise"
 
 
+@pytest.mark.slow
 def test_second_convert_of_a_sharded_layer_raises():
     from .dist_harness import run_workers
 

@@ -39,6 +39,7 @@ def test_schedule_switches_precisions_by_step():
     assert scheduled[:2] != fp8_all[:2]
 
 
+@pytest.mark.slow
 def test_schedule_costs_one_graph_per_precision_under_compile():
     from torch._dynamo.utils import counters
 
@@ -76,6 +77,7 @@ def _fsdp(rank, world_size, scheduled, fp8_gather):
         return str(e)
 
 
+@pytest.mark.slow
 def test_schedule_under_fsdp2():
     plain = run_workers(_fsdp, 2, False, False)
     sched = run_workers(_fsdp, 2, True, False)

@@ -245,6 +245,17 @@ def test_json_and_plot(tmp_path):
         plot_main([str(empty), str(tmp_path / "x.png")])
 
 
+def test_stats_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    with pytest.raises(SystemExit, match="1"):
+        plot_main([str(tmp_path / "stats.json"), str(tmp_path / "out.png")])
+    assert capsys.readouterr().err == ("python -m fp8func.stats_plot needs matplotlib, which is not installed: "
+                                       "pip install 'fp8func[demo]' (from a clone: pip install -e '.[demo]')\n")
+
+
 def _png_size(path):
     head = path.read_bytes()[:24]  # PNG signature, IHDR length and type, then width and height
     return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")

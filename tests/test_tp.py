@@ -14,6 +14,8 @@ from .dist_harness import run_workers
 from .models import batch, tiny_qwen3
 from .test_fsdp import _CountAllGather
 
+pytestmark = pytest.mark.slow  # every test here spawns processes (gloo or torchrun)
+
 QWEN_TP_PLAN = {
     "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),

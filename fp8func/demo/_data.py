@@ -34,7 +34,7 @@ class Batches:
         self.train, self.val, self.seq = tokens[:-n_val], tokens[-n_val:], seq
         if len(self.val) < seq or len(self.train) <= seq:
             raise ValueError(f"Batches: seq={seq} does not fit the corpus ({len(tokens)} tokens, {n_val} held "
-                             f"out); use --seq below {len(self.val)}.")
+                             f"out); use --seq {len(self.val)} or less.")
         g = torch.Generator().manual_seed(seed)
         self.starts = torch.randint(0, len(self.train) - seq, (steps, batch), generator=g)
 

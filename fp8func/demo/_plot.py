@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ._report import RunResult, gap_pct, noise_envelope, smooth, smoothing
 
-__all__ = ["figure", "plot"]
+__all__ = ["caption", "figure", "plot"]
 
 _FP8, _BF16 = "tab:orange", "tab:blue"
 
@@ -67,10 +67,19 @@ def figure(runs: list[RunResult], title: str):
     _loss_panel(top, runs, half)
     _gap_panel(bottom, runs, half)
     top.set_title(title, fontsize=9)
-    fig.supxlabel("How to read it: the blue band is how much two bf16 runs differ when only the seed of the init "
-                  "changes.\nThe FP8 gap matters where the orange curve leaves the band; inside it, FP8 is as close "
-                  "to bf16 as another seed is.", fontsize=8)
+    fig.supxlabel(caption(runs), fontsize=8)
     return fig
+
+
+def caption(runs: list[RunResult]) -> str:
+    """How to read the figure: the noise band where bf16 runs with other seeds drew one, else what is drawn."""
+    if any(r.kind == "bf16" for r in runs[1:]):
+        return ("How to read it: the blue band is how much two bf16 runs differ when only the seed of the init "
+                "changes.\nThe FP8 gap matters where the orange curve leaves the band; inside it, FP8 is as close "
+                "to bf16 as another seed is.")
+    return ("How to read it: orange is FP8, blue bf16, from the same init and batches; below, FP8's gap to bf16.\n"
+            "No bf16 run with another seed (--noise-seeds 0), so no noise band: nothing says how large a gap "
+            "two bf16 runs would show.")
 
 
 def plot(path: str, runs: list[RunResult], title: str) -> None:

@@ -41,7 +41,7 @@ class _Bar:
     def __init__(self, items: Iterable, total: int, desc: str, initial: int = 0):
         self.items, self.total, self.desc, self.initial, self.postfix = items, total, desc, initial, ""
 
-    def set_postfix_str(self, text: str) -> None:
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:  # tqdm's signature; drawn per percent
         self.postfix = text
 
     def __iter__(self) -> Iterator:

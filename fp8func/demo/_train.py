@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
+import importlib.util
 import logging
 import math
 import os
@@ -15,7 +17,8 @@ import time
 import torch
 from torch import nn
 
-from .._scaling import Recipe
+from .._autograd import linear
+from .._scaling import _NAMED_RECIPES, Recipe
 from ..nn import Fp8Linear, convert, report, verify
 from . import _plot, _report
 from ._data import CORPUS, VOCAB, Batches, load_tokens
@@ -23,22 +26,100 @@ from ._data import CORPUS, VOCAB, Batches, load_tokens
 __all__ = ["main", "build_model"]
 
 
+DEMO_PACKAGES = ("transformers", "matplotlib")  # the "demo" extra of pyproject.toml
+_DESCRIPTION = """A small Llama trained on a public-domain book (bytes as tokens), bf16 and FP8 side by
+side from the same init and batches, and bf16 again from other seeds to show how much two runs
+differ anyway. Prints which layers ran FP8, a loss table and a verdict; writes a loss-curve PNG.
+Needs transformers and matplotlib: pip install 'fp8func[demo]'."""
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fp8func.demo", description=__doc__)
-    p.add_argument("--recipe", default="tensorwise", help="fp8func recipe name (tensorwise, rowwise, ...)")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu or cuda")
+    p = argparse.ArgumentParser(prog="python -m fp8func.demo", description=_DESCRIPTION,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--recipe", default="tensorwise", type=_recipe_name, choices=tuple(_NAMED_RECIPES),
+                   help="fp8func recipe of the FP8 run")
+    p.add_argument("--steps", type=_at_least(1), default=150, help="training steps of each run")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda when a GPU is visible, else cpu")
     p.add_argument("--out", default="fp8_demo_loss.png", help="where to write the loss-curve PNG")
-    p.add_argument("--seq", type=int, default=64, help="tokens (bytes) per sequence")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seq", type=_at_least(2), default=64, help="tokens (bytes) per sequence")
+    p.add_argument("--batch", type=_at_least(1), default=8, help="sequences per step")
+    p.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate of AdamW")
     p.add_argument("--seed", type=int, default=0, help="init seed of the bf16 and fp8 runs, and the batch order")
-    p.add_argument("--noise-seeds", type=int, default=1,
+    p.add_argument("--noise-seeds", type=_at_least(0), default=1,
                    help="extra bf16 runs with the init seeds after --seed: the run-to-run noise band")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: the idle cores, 1 to 4)")
+    p.add_argument("--threads", type=_at_least(0), default=0, help="CPU threads for torch (0: the idle cores, 1 to 4)")
     p.add_argument("--verbose", action="store_true", help="also print report(model), the full verify table and "
                                                           "the fp8func log")
     return p
+
+
+def _recipe_name(name: str) -> str:
+    if name not in _NAMED_RECIPES:
+        close = difflib.get_close_matches(name, _NAMED_RECIPES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise argparse.ArgumentTypeError(f"unknown recipe {name!r}{hint}; choose from {', '.join(_NAMED_RECIPES)}")
+    return name
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}; give {low} or more")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its messages
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{value} is not a positive finite number")
+    return value
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, Batches]:
+    """The arguments and the batches, checked before any work: a wrong flag exits 2 with its reason."""
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: cuda, but no CUDA device is visible; use --device cpu (or auto)")
+    out = os.path.abspath(args.out)
+    folder = os.path.dirname(out)
+    if os.path.isdir(out):
+        p.error(f"argument --out: {args.out} is a folder; give a file name such as {os.path.join(args.out, 'loss.png')}")
+    if not os.path.isdir(folder):
+        p.error(f"argument --out: the folder {folder} does not exist; create it or write elsewhere")
+    if not os.access(folder, os.W_OK):
+        p.error(f"argument --out: the folder {folder} is not writable; write elsewhere")
+    try:
+        data = Batches(load_tokens(), steps=args.steps, batch=args.batch, seq=args.seq, seed=args.seed)
+    except ValueError as e:
+        p.error(f"argument --seq: {e}")
+    try:  # a recipe's constraints on the tokens of a step (block-wise scales tile them in blocks of 128)
+        x, w = torch.randn(args.batch * args.seq, 128, requires_grad=True), torch.randn(128, 128)
+        linear(x, w, recipe=args.recipe).sum().backward()
+    except ValueError as e:
+        p.error(f"argument --recipe: {args.recipe} does not fit --batch {args.batch} x --seq {args.seq} = "
+                f"{args.batch * args.seq} tokens per step: {e}")
+    return args, data
+
+
+def _missing_extra() -> str | None:
+    """The line to print when the packages of the ``demo`` extra are not installed; None when they are."""
+    missing = [name for name in DEMO_PACKAGES if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"python -m fp8func.demo needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
+            "installed: pip install 'fp8func[demo]' (from a clone: pip install -e '.[demo]')")
 
 
 def build_model(seq: int, seed: int = 0, device: str = "cpu"):
@@ -89,10 +170,7 @@ class _Run:
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device is visible; use --device cpu (or auto).")
-    return device
+    return torch.device(name)
 
 
 def _cores() -> int:
@@ -176,7 +254,8 @@ def _train(args, runs: list[_Run], data: Batches, device: torch.device):
         ids = data[i].to(device)
         for r in runs:
             r.step(ids)
-        bar.set_postfix_str("  ".join(f"{r.name} {r.losses[-1]:.3f}" for r in runs))
+        # shown with the count of steps done, when the bar moves past this step (not before it does)
+        bar.set_postfix_str("  ".join(f"{r.name} {r.losses[-1]:.3f}" for r in runs), refresh=False)
     return checks[0]
 
 
@@ -194,11 +273,15 @@ def _results(args, runs: list[_Run], data: Batches, device: torch.device, check)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the demo; returns 0, or 1 when the FP8 check failed (see the verify table)."""
-    args = _parser().parse_args(argv)
-    if args.steps < 1 or args.noise_seeds < 0 or args.threads < 0:
-        raise ValueError(f"--steps {args.steps}, --noise-seeds {args.noise_seeds}, --threads {args.threads}: "
-                         "expected steps >= 1, noise-seeds >= 0 and threads >= 0 (0: the idle cores).")
+    """Runs the demo; returns 0, or 1 when the FP8 check failed (see the verify table).
+
+    Wrong arguments exit 2 with the reason (argparse), and missing packages exit 1 with the extra
+    that installs them, before any work."""
+    args, data = _parse(argv)
+    missing = _missing_extra()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 1
     device = _device(args.device)
     log, threads = logging.getLogger("fp8func"), torch.get_num_threads()
     handler, level = logging.StreamHandler(sys.stdout), log.level
@@ -209,7 +292,6 @@ def main(argv: list[str] | None = None) -> int:
         n, why = (args.threads, "--threads") if args.threads else _auto_threads()
         torch.set_num_threads(n)
         start = time.perf_counter()
-        data = Batches(load_tokens(), steps=args.steps, batch=args.batch, seq=args.seq, seed=args.seed)
         runs = _runs(args, device)
         print(_header(args, device, sum(p.numel() for p in runs[0].model.parameters()), runs[1].model,
                       f"{n} CPU thread{'s' if n > 1 else ''} ({why})"), flush=True)

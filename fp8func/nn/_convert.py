@@ -24,6 +24,7 @@ from .._scaling import AxisWise, Recipe, block_lengths
 from ._auto import MARGIN, estimate_ms, profile_for
 from ._linear import Fp8Linear, _check_fp8_weights
 from ._moe import Fp8Experts, is_fused_experts
+from ._outcome import EXCLUDED, outcome
 from ._shared import share_input_casts as _share_input_casts
 from ._shared import unshare_input_casts
 
@@ -132,7 +133,7 @@ def _linear_decision(fqn, module, recipe, select, profile, tokens, gather, fp8_w
     if select is not None and not select(module, fqn):
         if existing:  # converted by an earlier call; this one leaves it alone
             return _Decision(fqn, module, _row_of(fqn, module, _KEEP + "excluded by this call's filter"), False)
-        return _Decision(fqn, module, LayerReport(fqn, False, "excluded by filter", None, k, n, False), False)
+        return _Decision(fqn, module, LayerReport(fqn, False, EXCLUDED, None, k, n, False), False)
     reason, note = _why_not(module, recipe), ""
     if not reason and profile is not None:
         reason, note = _auto(module, recipe, tokens, profile)
@@ -166,7 +167,7 @@ def _experts_decision(fqn, module, recipe, select) -> _Decision:
     e, f2, h = module.gate_up_proj.shape
     existing = isinstance(module, Fp8Experts)
     if select is not None and not select(module, fqn):
-        reason = (_KEEP if existing else "") + "excluded by filter"
+        reason = (_KEEP if existing else "") + EXCLUDED
         row = LayerReport(fqn, existing, reason, module.recipe.name if existing else None, h, f2, False)
         return _Decision(fqn, module, row, False)
     rowwise = all(isinstance(s.granularity, AxisWise) and s.granularity.axis in (-1, 1)
@@ -179,6 +180,16 @@ def _experts_decision(fqn, module, recipe, select) -> _Decision:
         return _Decision(fqn, module, row, False)
     return _Decision(fqn, module, LayerReport(fqn, True, "MoE experts: FP8 grouped GEMMs", recipe.name, h, f2, False),
                      True)
+
+
+def _check_model(fn: str, model) -> None:
+    if not isinstance(model, nn.Module):
+        kind = type(model).__qualname__ if type(model).__module__ == "builtins" else \
+            f"{type(model).__module__}.{type(model).__qualname__}"
+        raise TypeError(
+            f"{fn}: model is a {kind}; expected a torch.nn.Module whose nn.Linear layers it puts in FP8 "
+            "(e.g. nn.Sequential(nn.Linear(256, 512))). For a tensor, use fp8func.quantize(x, spec) or "
+            "fp8func.linear(x, weight, recipe=...).")
 
 
 def _decide(model, recipe, filter, fsdp_fp8_all_gather, fp8_weights, tokens) -> list[_Decision]:
@@ -199,7 +210,7 @@ def _decide(model, recipe, filter, fsdp_fp8_all_gather, fp8_weights, tokens) -> 
     if isinstance(filter, (list, tuple, set, frozenset)):
         unused = [p for p in filter if not any(_matches(p, d.fqn) for d in out)]
         if unused:
-            log.warning("fp8func: convert(filter=...) patterns %s match no linear layer of the model", unused)
+            log.warning("convert(filter=...): patterns %s match no linear layer of the model", unused)
     return out
 
 
@@ -219,6 +230,7 @@ def plan_conversion(
     Example:
         >>> print(fp8func.nn.plan_conversion(model, "rowwise", filter=["lm_head"]))
     """
+    _check_model("plan_conversion", model)
     return Report(d.row for d in _decide(model, _recipe(recipe), filter, fsdp_fp8_all_gather, fp8_weights, tokens))
 
 
@@ -265,9 +277,12 @@ def convert(
     of their parent module, not once each (``fp8func.nn.SharedInputCasts``): the same bits, fewer
     casts, in eager code (compiled code casts per layer). False: every layer casts its own input.
 
-    Logs one line on the ``fp8func`` logger (INFO):
-    ``fp8func: converted N/M linear layers (recipe=..., fsdp_fp8_all_gather=...)``.
+    Logs one line on the ``fp8func`` logger: ``convert: N/M linear layers in FP8 (recipe=...,
+    fsdp_fp8_all_gather=...)`` at INFO; at WARNING when layers the filter selected stay in high
+    precision (each named, with its reason), when nothing is in FP8, or when layers that were in
+    FP8 with other options are converted again.
     """
+    _check_model("convert", model)
     recipe = _recipe(recipe)
     decisions = _decide(model, recipe, filter, fsdp_fp8_all_gather, fp8_weights, tokens)
     sharded = [d.fqn for d in decisions if d.change and _is_sharded(d.module)]
@@ -284,13 +299,10 @@ def convert(
         _share_input_casts(model)
     else:
         unshare_input_casts(model)
-    linears = [d for d in decisions if isinstance(d.module, nn.Linear)]
-    experts = [d for d in decisions if not isinstance(d.module, nn.Linear)]
-    log.info("fp8func: converted %d/%d linear layers (recipe=%s, fsdp_fp8_all_gather=%s%s)%s",
-             sum(d.change and d.row.converted for d in linears), len(linears), recipe.name, fsdp_fp8_all_gather,
-             ", fp8_weights=True" if fp8_weights else "",
-             f" and {sum(d.change and d.row.converted for d in experts)}/{len(experts)} MoE expert modules"
-             if experts else "")
+    options = f"recipe={recipe.name}, fsdp_fp8_all_gather={fsdp_fp8_all_gather}" + \
+        (", fp8_weights=True" if fp8_weights else "")
+    level, message = outcome(decisions, options)
+    log.log(level, "%s", message)
     return model
 
 
@@ -334,6 +346,7 @@ def unconvert(model: nn.Module) -> nn.Module:
     Example:
         >>> model = fp8func.unconvert(fp8func.convert(model))   # the same nn.Linear weights back
     """
+    _check_model("unconvert", model)
     found = [(fqn, m) for fqn, m in model.named_modules() if fqn and isinstance(m, (Fp8Linear, Fp8Experts))]
     sharded = [fqn for fqn, m in found if _is_sharded(m)]
     if sharded:
@@ -368,6 +381,7 @@ def report(model: nn.Module, *, print_table: bool = True) -> Report:
     FP8 layers describe themselves (their recipe, options and convert()'s note); a
     high-precision layer takes its reason from the plan of the convert() call that decided on it
     (carried by that call's FP8 layers), or says it was never converted."""
+    _check_model("report", model)
     decided = planned(model)
     rows = Report()
     for fqn, m in model.named_modules():
