@@ -141,10 +141,13 @@ def _check_operands(a: Fp8Tensor, b: Fp8Tensor) -> None:
 def _aligned(t: torch.Tensor, leading: int) -> bool:
     """Whether cuBLASLt takes ``t``'s layout: a leading dimension of a multiple of 16 bytes, and,
     eagerly, a 16-byte aligned start (a view into a packed buffer, such as the casts of an FP8
-    sequence gather, can have neither). Traced, the storage offset stands in for the address."""
+    sequence gather, can have neither). Traced by AOTAutograd or on a CPU, the storage offset
+    stands in for the address; dynamo, which cannot read either, checks the pitch alone."""
     size = t.element_size()
     if leading * size % 16:
         return False
+    if torch.compiler.is_compiling():
+        return True
     if tracing() or not t.is_cuda:
         return t.storage_offset() * size % 16 == 0
     return t.data_ptr() % 16 == 0
