@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .._casts import _cast, _cast_with_scale, _scale, _use_kernels, weight_casts
+from .._casts import _amax, _cast, _cast_with_scale, _scale, _use_kernels, weight_casts
 from .._collectives import _gather_padded
 from .._gathered import Fp8GatheredWeight
 from .._qtensor import Fp8Meta, Fp8Tensor, trusted_fp8_tensor
@@ -592,8 +592,6 @@ def _precompute_reduced_scales(weights: list) -> int:
     weight is unchanged. The same bits: MAX is exact, and the amax of the fp32 master rounded to
     the param dtype is the amax of the rounded shard (rounding is monotonic). Returns the number
     of weights with such a cast."""
-    from .._casts import _amax
-
     pending: dict = {}  # the reductions (mesh, mesh dims) in order -> [(weight, cast name, spec, amax)]
     covered = set()
     for w in weights:
