@@ -3,6 +3,7 @@
 import logging
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -74,6 +75,48 @@ def test_verify_leaves_no_hooks_or_patches_behind():
         verify(model, lambda: 1 / 0)
     assert (_gemm.gemm_path, Fp8AllGatherWeight.fsdp_pre_all_gather) == before
     assert hooks() == own
+
+
+def test_verify_starts_the_profiler_with_kineto_quiet_and_leaves_the_environment_as_it_was(monkeypatch):
+    from fp8func.nn import _verify
+
+    seen = []
+
+    class Spy(_verify.profile):
+        def __enter__(self):
+            seen.append(os.environ.get("KINETO_LOG_LEVEL"))
+            return super().__enter__()
+
+    monkeypatch.setattr(_verify, "profile", Spy)
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    model = _small()
+    assert verify(model, _step(model), print_table=False).ok
+    assert seen == ["6"] and "KINETO_LOG_LEVEL" not in os.environ  # above kineto's USDT level, then unset
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "2")  # the user's own level is kept
+    assert verify(model, _step(model), print_table=False).ok
+    assert seen == ["6", "2"] and os.environ["KINETO_LOG_LEVEL"] == "2"
+
+
+_VERIFY_IN_A_FRESH_PROCESS = """
+import torch, fp8func as f8
+model = f8.convert(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)), "rowwise")
+x = torch.randn(32, 64)
+def step():
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss
+assert f8.verify(model, step, strict=True, print_table=False).ok
+"""
+
+
+@pytest.mark.slow
+def test_verify_in_a_fresh_process_writes_nothing_to_stderr():
+    # libkineto starts with the first profiler of a process, and writes to stderr from C++ (which
+    # capsys does not see): hence a process of its own.
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    proc = subprocess.run([sys.executable, "-c", _VERIFY_IN_A_FRESH_PROCESS], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-4000:]
 
 
 def test_layer_swapped_back_after_convert_is_reported_loudly(caplog):

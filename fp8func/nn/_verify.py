@@ -28,6 +28,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -47,6 +48,8 @@ log = logging.getLogger("fp8func")
 _RANGE = "fp8func::layer::"
 _EVAL = "autograd::engine::evaluate_function: "
 _HP_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
+# libkineto's levels run VERBOSE=0 .. ERROR=4, USDT=5; a threshold above them all prints nothing.
+_KINETO_SILENT = "6"
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
@@ -137,7 +140,8 @@ def verify(model: nn.Module, step_fn: Callable[[], Any], *, strict: bool = False
         _install_ranges(stack, linears)
         stack.enter_context(_all_gather_counter(model, tallies))
         # acc_events: one cycle anyway; torch 2.11 warns about clearing events between cycles without it
-        prof = stack.enter_context(profile(activities=activities, record_shapes=True, acc_events=True))
+        with _kineto_quiet_at_start():
+            prof = stack.enter_context(profile(activities=activities, record_shapes=True, acc_events=True))
         stack.enter_context(torch.compiler.set_stance("force_eager"))
         output = step_fn()
     _attribute(prof.events(), tallies)
@@ -149,6 +153,26 @@ def verify(model: nn.Module, step_fn: Callable[[], Any], *, strict: bool = False
         if strict:
             raise RuntimeError(f"fp8func.verify: {result.summary}")
     return result
+
+
+@contextlib.contextmanager
+def _kineto_quiet_at_start():
+    """Keeps libkineto, torch.profiler's C++ backend, from writing to stderr during ``verify``.
+
+    libkineto reads ``KINETO_LOG_LEVEL`` once, when the first profiler of the process starts. With
+    the variable unset, torch sets the threshold to ERROR, and the "USDT" level above it writes a
+    "profiler_start" and a "profiler_stop" line to stderr each time a profiler starts and stops.
+    The variable is set above every kineto level for that start alone and removed again: the
+    environment is left as it was, and a value the user set is kept.
+    """
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = _KINETO_SILENT
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
 def _canonical(fqn: str) -> str:
