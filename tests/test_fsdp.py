@@ -225,8 +225,8 @@ def _precompute_twice(rank, world_size):
 
     model, opt = _model_and_opt(world_size)
     reduced = []
-    orig = fsdp_mod.reduce_amax
-    fsdp_mod.reduce_amax = lambda *a: reduced.append(1) or orig(*a)
+    orig = fsdp_mod._reduce_max_eager
+    fsdp_mod._reduce_max_eager = lambda *a: reduced.append(1) or orig(*a)
     try:
         ids, labels = batch(0, rank)
         model(input_ids=ids, labels=labels).loss.backward()
@@ -234,7 +234,7 @@ def _precompute_twice(rank, world_size):
         after_step = len(reduced)
         return after_step, f8.precompute_scales(model), f8.precompute_scales(model), len(reduced)
     finally:
-        fsdp_mod.reduce_amax = orig
+        fsdp_mod._reduce_max_eager = orig
 
 
 def _rowwise_all_reduces(rank, world_size, auto):
@@ -244,8 +244,10 @@ def _rowwise_all_reduces(rank, world_size, auto):
 
     f8.distributed.precompute_after_optimizer_step(auto)
     model, opt = _model_and_opt(world_size, "rowwise", layers=2, lr=3e-3)
-    counts, losses, orig = [], [], funcol.all_reduce
+    # the hooks reduce through functional collectives, the optimizer step's precompute through c10d
+    counts, losses, orig, orig_c10d = [], [], funcol.all_reduce, dist.all_reduce
     funcol.all_reduce = lambda *a, **k: counts.__setitem__(-1, counts[-1] + 1) or orig(*a, **k)
+    dist.all_reduce = lambda *a, **k: counts.__setitem__(-1, counts[-1] + 1) or orig_c10d(*a, **k)
     try:
         for step in range(3):
             counts.append(0)
@@ -256,7 +258,7 @@ def _rowwise_all_reduces(rank, world_size, auto):
             opt.zero_grad()
             losses.append(loss.item())
     finally:
-        funcol.all_reduce = orig
+        funcol.all_reduce, dist.all_reduce = orig, orig_c10d
         f8.distributed.precompute_after_optimizer_step(True)
     weights = [p.to_local().detach().clone() for p in model.parameters()]
     return {"losses": losses, "counts": counts, "weights": weights}
@@ -513,3 +515,56 @@ def test_cast_kept_groups_are_bitwise_each_weights_cast(monkeypatch):
         want = fsdp_mod._cast_with_scale(w._tensor, scales[i:i + 1, :1], w._recipe.weight, round_to=w._param_dtype)
         assert version == w.weight_version() and torch.equal(scale, scales[i:i + 1, :1])
         assert data.dtype == w._recipe.weight.dtype and torch.equal(data.view(torch.uint8), want.data.view(torch.uint8))
+
+
+def _gathered_rebuilds(rank, world_size):
+    """Three steps with the fp8 all-gather on: how many gathered weights each step rebuilt after
+    its all-gathers, the FSDP2 hook signature, the losses, and those of the same steps off."""
+    import inspect
+
+    from fp8func._gathered import Fp8GatheredWeight
+
+    out = {}
+    for on in (True, False):
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (world_size,))
+        model = f8.convert(tiny_qwen3(layers=1), "tensorwise", fsdp_fp8_all_gather=on)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        rebuilds, losses, orig = [], [], Fp8GatheredWeight.set_casts
+        Fp8GatheredWeight.set_casts = lambda self, *a: rebuilds.__setitem__(-1, rebuilds[-1] + 1) or orig(self, *a)
+        try:
+            for step in range(3):
+                rebuilds.append(0)
+                ids, labels = batch(step, rank)
+                loss = model(input_ids=ids, labels=labels).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        finally:
+            Fp8GatheredWeight.set_casts = orig
+        out["on" if on else "off"] = losses
+        if on:
+            out["rebuilds"] = rebuilds
+            weight = model.model.layers[0].mlp.up_proj.weight.to_local()
+            out["signature"] = list(inspect.signature(weight.fsdp_pre_all_gather).parameters)
+    return out
+
+
+@pytest.mark.slow
+def test_gathered_weights_are_rebuilt_only_when_their_bytes_or_scales_change():
+    """FSDP2 refills a weight's all-gather buffers in place: after the first step the gathered
+    weight's casts (views of those buffers) stay valid, and fsdp_post_all_gather rebuilds them
+    only for a new scale, once a step (the forward's all-gather after the optimizer step's
+    precompute), not again for the backward's all-gather of the same bytes. The numbers are
+    bitwise the fp8 all-gather off; FSDP2 reads the hook's signature (its calling convention)."""
+    for r in run_workers(_gathered_rebuilds, 2):
+        assert r["on"] == r["off"], (r["on"], r["off"])
+        # step 0: each of the 8 weights is built once (forward), rebuilt at the backward's gather
+        # (its scale made there by the hook); later steps: once, at the forward's gather
+        assert r["rebuilds"][1:] == [8, 8], r["rebuilds"]
+        assert r["signature"] == ["mesh", "outer_size", "outer_stride", "module", "mp_policy"], r["signature"]

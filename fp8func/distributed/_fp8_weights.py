@@ -49,7 +49,7 @@ from .._sharding import Sharding
 from .._structural import AssignableData
 from ..nn._weights import check_fp8_weights_recipe, notify_all_gather
 from ._fp8_weights_ops import HANDLERS, SHELL_MSG, State, fallback
-from ._fsdp import _GatherHooks, add_all_gather_input, finish_all_gather_inputs, keep_hook_signature
+from ._fsdp import _GatherHooks, add_all_gather_input, finish_all_gather_inputs, signed_hook
 
 __all__ = ["Fp8WeightParam", "check_fp8_weights_recipe"]
 
@@ -298,6 +298,7 @@ class Fp8WeightParam(AssignableData, _GatherHooks, torch.Tensor):
 
     # ---- FSDP2 ------------------------------------------------------------------------------
 
+    @signed_hook
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         n, _, casts, sizes = self._gather_plan(mesh, outer_size, tuple(self.shape), "convert it with fp8_weights=False")
         param_dtype = mp_policy.param_dtype or self.dtype
@@ -317,5 +318,3 @@ class Fp8WeightParam(AssignableData, _GatherHooks, torch.Tensor):
         notify_all_gather(self, module, inputs, mp_policy)
         return tuple(inputs), (entries, tuple(slots), n)
 
-
-keep_hook_signature(Fp8WeightParam)
