@@ -59,10 +59,12 @@ def submesh(mesh, name: str):
     return sub
 
 
-def shard_2d(model, mesh, model_plan: dict, block_plan: dict):
+def shard_2d(model, mesh, model_plan: dict, block_plan: dict, per_layer=None):
     """Sequence-parallel TP over ``mesh["tp"]`` (``model_plan`` on the model, ``block_plan`` on each
     decoder layer), then FSDP2 over ``mesh["dp"]`` per layer and at the root, fp32 masters with bf16
-    compute. Returns the (tp, dp) submeshes used (``submesh``: one object each per process)."""
+    compute. ``per_layer`` (optional) runs on each TP-sharded decoder layer before FSDP2 and returns
+    the module that takes its place (activation checkpointing, compile: torchtitan's order).
+    Returns the (tp, dp) submeshes used (``submesh``: one object each per process)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -70,6 +72,9 @@ def shard_2d(model, mesh, model_plan: dict, block_plan: dict):
     parallelize_module(model, tp_mesh, model_plan)
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, block_plan)
+    if per_layer is not None:
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = per_layer(layer)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp)

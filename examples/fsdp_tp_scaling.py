@@ -5,12 +5,17 @@ One launch, one 2-D mesh ("dp", "tp"): FSDP2 over dp (fp32 master weights, bf16 
 Each configuration rebuilds the model (HF ``LlamaForCausalLM`` from a config, no download) from
 the same seed and trains ``--steps`` steps on the same data (lm_head bf16 everywhere unless ``--fp8-lm-head``;
 tensorwise FSDP2 fp8 weight scales precomputed after each optimizer step in both libraries
-unless ``--no-precompute-scales``):
+unless ``--no-precompute-scales``). Each decoder layer is set up in torchtitan's order: TP, then
+activation checkpointing (``--ac``), then ``torch.compile`` (``--compile``), then FSDP2:
 
 * ``bf16``: plain ``nn.Linear``, the stock TP styles;
 * ``torchao``: ``convert_to_float8_training`` (tensorwise, FSDP2 float8 all-gather on) with
   torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` / ``PrepareFloat8ModuleInput``;
-  a torchao run that cannot run (not installed, or it raises) is reported n/a, with the reason;
+* ``torchao-rowwise``: ``Float8LinearConfig.from_recipe_name("rowwise")`` with the stock TP styles
+  (bf16 sequence gathers) and FSDP2 all-gathering bf16 weights: torchao's float8 TP styles cast
+  tensorwise and its FSDP2 float8 all-gather is tensorwise only (the config refuses it), so,
+  as in torchtitan, row-wise takes neither. A torchao run that cannot run (not installed, or it
+  raises) is reported n/a, with the reason;
 * ``fp8func-tensorwise``, ``fp8func-rowwise``: ``fp8func.convert`` + the fp8func TP styles
   (``tp_fp8_parity.sp_plans(fp8_styles=True)``), FSDP2 fp8 all-gather on; ``...-off``: the same
   with ``fsdp_fp8_all_gather=False``. docs/fsdp.md's contract: the two loss sequences are
@@ -22,8 +27,36 @@ unless ``--no-precompute-scales``):
   shared over dp (``share_scaling_state``), the stock TP styles (the FP8 sequence gathers cast
   with dynamic scales); not in the default set (``--configs`` names it).
 
-Per configuration: global tokens/s (median step time after ``--warmup`` steps, slowest rank),
-the bytes each rank all-gathers per step over dp (FSDP2's weights) and over tp (sequence-parallel
+Activation checkpointing (``--ac``, default ``none``) wraps each decoder layer in
+``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``, no RNG state kept: the model has
+no dropout). ``full`` recomputes the whole layer in the backward; ``selective`` is torchtitan's
+op-level policy (``create_selective_checkpoint_contexts``): the outputs of the matmuls
+(``aten.mm``, ``aten._scaled_mm``), of attention (the sdpa flash / efficient / cuDNN / CPU kernels)
+and of the functional reduce-scatters and all-reduces are saved, everything else is recomputed
+(every matmul output is saved, not every second one). Under ``--ac``, a configuration that raises
+is reported n/a with the reason instead of stopping the run. With torch 2.13:
+
+* ``fp8func-rowwise`` (fp8 all-gather on), eager: the layer refuses a forward recomputed in the
+  backward, where FSDP2 re-gathered only the backward's weight cast (docs/fsdp.md); compiled,
+  ``selective`` runs (AOTAutograd recomputes inside the compiled backward), on == off bitwise;
+* ``fp8func-delayed`` (and ``-off``): ``full`` runs eagerly; eager ``selective`` raises
+  (the recomputed layer takes the state its forward passed on, so its ops differ from the
+  forward's and the selective cache misses); compiled, dynamo cannot trace the layer inside the
+  checkpoint (``create_node using arg not from this SubgraphTracer``);
+* ``full`` with ``--compile`` raises in every configuration, bf16 included: AOTAutograd saves the
+  TP mesh (a ``DeviceMesh``) among the layer's tensors for the backward (``expected all
+  tensors_saved_with_vc_check to be Tensors``); ``selective`` compiles, with no graph break.
+
+Per configuration: global tokens/s (median step time after ``--warmup`` steps, slowest rank);
+MFU: model FLOPs per token times global tokens/s, over the world size times the GPU's peak dense
+bf16 FLOP/s (H100 SXM and H200: 989 TFLOP/s; another GPU, or the CPU, reads n/a unless
+``--peak-tflops`` gives it), FP8 configurations measured against the same bf16 peak. FLOPs per
+token are the PaLM / torchtitan count for a decoder: 6 x the matmul weights (q, k, v, o, gate, up,
+down per layer and lm_head; no embedding, no norm) + 12 x layers x hidden x seq for attention's
+scores and values (causal masking not discounted), forward and backward, recomputation not
+counted. "vs torchao": an fp8func row's tokens/s over the torchao row of its recipe (tensorwise
+rows against ``torchao``, row-wise rows against ``torchao-rowwise``), where that row ran.
+Also the bytes each rank all-gathers per step over dp (FSDP2's weights) and over tp (sequence-parallel
 activations and gradients), read from c10d's flight recorder, which logs every collective that
 a process group runs, eager or compiled (the JSON also has the bytes FSDP2 hands to
 ``dist.all_gather_single``: the same as dp's, row scales of row-wise fp8 weights included; unevenly
@@ -38,6 +71,7 @@ deterministic backward included, a fixed cuBLAS workspace, inductor's determinis
 ``warn``; elsewhere it reads "n/a (--deterministic)".
 
     torchrun --nproc-per-node 8 examples/fsdp_tp_scaling.py --tp 2 --json $OUT/scaling.json
+    torchrun --nproc-per-node 8 examples/fsdp_tp_scaling.py --tp 2 --ac selective   # torchtitan's op-level SAC
     torchrun --nproc-per-node 4 examples/fsdp_tp_scaling.py --device cpu --tp 2 --hidden 256 --intermediate 512 \\
         --layers 2 --heads 4 --kv-heads 4 --vocab 1024 --seq 128 --batch 2 --steps 4 --warmup 1   # CPUs (gloo)
 """
@@ -49,6 +83,7 @@ import gc
 import math
 import os
 import pickle
+import re
 import statistics
 import time
 
@@ -66,6 +101,7 @@ from tp_fp8_parity import sp_plans
 CONFIGS = {
     "bf16": ("bf16", None, False),
     "torchao": ("torchao", "tensorwise", True),
+    "torchao-rowwise": ("torchao", "rowwise", False),  # torchao's FSDP2 float8 all-gather is tensorwise only
     "fp8func-tensorwise": ("fp8func", "tensorwise", True),
     "fp8func-tensorwise-off": ("fp8func", "tensorwise", False),
     "fp8func-rowwise": ("fp8func", "rowwise", True),
@@ -77,6 +113,13 @@ CONFIGS = {
     "fp8func-rowwise-stock": ("fp8func", "rowwise", True),
 }
 DEFAULT_CONFIGS = [n for n in CONFIGS if "delayed" not in n and "stock" not in n]
+AC_MODES = ("none", "full", "selective")
+AC_DESCRIPTION = {"none": "none", "full": "full (checkpoint_wrapper, the whole layer recomputed)",
+                  "selective": "selective, op-level (matmul, attention and reduce-scatter / all-reduce outputs "
+                               "saved, the rest recomputed)"}
+# Dense bf16 tensor-core peak (no sparsity), FLOP/s, by a name torch.cuda.get_device_name() contains.
+# PCIe and NVL parts have lower clocks: not matched here (--peak-tflops gives theirs).
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
 
 
 def fp8func_recipe(recipe: str) -> f8.Recipe:
@@ -84,6 +127,73 @@ def fp8func_recipe(recipe: str) -> f8.Recipe:
     if recipe == "delayed-dynamic-weight":
         return f8.Recipe.from_name("delayed", delayed=f8.DelayedScaling(weight=False))
     return f8.Recipe.from_name(recipe)
+
+
+def _ops(*names: str) -> list:
+    """The ``.default`` overloads of ``namespace.op`` names that this torch has."""
+    found = []
+    for name in names:
+        namespace, op = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None:
+            found.append(packet.default)
+    return found
+
+
+# torchtitan's op-level selective AC: these outputs are saved, every other op is recomputed.
+SAC_SAVE_OPS = _ops("aten.mm", "aten._scaled_mm", "aten._scaled_mm_v2",
+                    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
+                    "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
+                    "_c10d_functional.reduce_scatter_tensor", "_c10d_functional.all_reduce")
+
+
+def _sac_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(SAC_SAVE_OPS)  # a list: MUST_SAVE these, PREFER_RECOMPUTE the rest
+
+
+def apply_ac(layer: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """``layer`` under activation checkpointing ``mode`` (``AC_MODES``): itself for "none", else
+    wrapped in ``checkpoint_wrapper`` (non-reentrant), "selective" with the op-level policy."""
+    if mode == "none":
+        return layer
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    kwargs = {"context_fn": _sac_context} if mode == "selective" else {}
+    return checkpoint_wrapper(layer, preserve_rng_state=False, **kwargs)
+
+
+def flops_per_token(args) -> int:
+    """Model FLOPs per trained token, forward and backward (PaLM's count, torchtitan's
+    ``get_num_flop_per_token``): 6 x the matmul weights (q, k, v, o, gate, up, down per layer,
+    and lm_head; the embedding is a lookup) + 12 x layers x (heads x head_dim) x seq (attention's
+    QK^T and AV, the causal mask not discounted)."""
+    head_dim = args.hidden // args.heads
+    per_layer = (2 * args.hidden * args.heads * head_dim + 2 * args.hidden * args.kv_heads * head_dim
+                 + 3 * args.hidden * args.intermediate)
+    matmul_params = args.layers * per_layer + args.vocab * args.hidden
+    return 6 * matmul_params + 12 * args.layers * args.heads * head_dim * args.seq
+
+
+def peak_flops(args) -> float | None:
+    """Peak dense bf16 FLOP/s of one device: ``--peak-tflops``, else ``PEAK_BF16_FLOPS`` by the GPU's
+    name; None on the CPU or an unlisted GPU."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if args.device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    if "PCIe" in name or "NVL" in name:
+        return None
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def mfu(tokens_per_s: float, args, world: int, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: global tokens/s x ``flops_per_token`` over ``world`` devices' peak."""
+    return None if not peak else tokens_per_s * flops_per_token(args) / (world * peak)
+
+
 # c10::ScalarType names, as the flight recorder writes them -> bytes per element
 ITEMSIZE = {"Byte": 1, "Char": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1, "Float8_e8m0fnu": 1,
             "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1, "Short": 2, "Half": 2, "BFloat16": 2,
@@ -212,9 +322,13 @@ def convert(model, name: str, fp8_lm_head: bool = False) -> tuple[dict, dict]:
     elif lib == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_gather),
-                                   module_filter_fn=keep)
-        plans = torchao_sp_plans()
+        if recipe == "tensorwise":
+            config = Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_gather)
+            plans = torchao_sp_plans()
+        else:  # torchao's float8 TP styles cast tensorwise: the stock ones (as torchtitan for row-wise)
+            config = Float8LinearConfig.from_recipe_name(recipe)
+            plans = sp_plans(fp8_styles=False)
+        convert_to_float8_training(model, config=config, module_filter_fn=keep)
     else:
         return sp_plans(fp8_styles=False)
     if not fp8_lm_head:
@@ -225,13 +339,17 @@ def convert(model, name: str, fp8_lm_head: bool = False) -> tuple[dict, dict]:
 def build(args, name: str, mesh, device):
     model = build_llama(args, device)
     plans = convert(model, name, args.fp8_lm_head)
-    _, dp_mesh = shard_2d(model, mesh, *plans)
+
+    def per_layer(layer):  # after TP, before FSDP2: AC, then per-layer compile (torchtitan's order)
+        layer = apply_ac(layer, args.ac)
+        if args.compile:  # FSDP2's hooks stay eager
+            layer.compile(backend=args.compile_backend)
+        return layer
+
+    _, dp_mesh = shard_2d(model, mesh, *plans, per_layer=per_layer)
     if CONFIGS[name][0] == "fp8func" and fp8func_recipe(CONFIGS[name][1]).delayed is not None:
         f8.distributed.share_scaling_state(model, dp_mesh)  # one state on every rank, FSDP2's dp mesh
         f8.nn.hook_scaling_states(model)  # parallelize_module made the state buffers DTensors: hook those
-    if args.compile:  # per-layer compile, FSDP2's hooks eager (the torchtitan layout)
-        for layer in model.model.layers:
-            layer.compile(backend=args.compile_backend)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
 
 
@@ -335,18 +453,23 @@ def run_config(args, name, mesh, device, recorder) -> dict:
     counters.clear()
     try:
         losses, times, gathered, fsdp_bytes = train(args, name, mesh, device, recorder)
-    except Exception as e:  # torchao only: its row says n/a and why; the others must run
+    except Exception as e:  # torchao, or any config under --ac: its row says n/a and why; the others must run
         if lib != "torchao" and "deterministic" in str(e) and args.deterministic == "strict":
             raise RuntimeError(f"{name}: an op has no deterministic implementation under --deterministic strict; "
                                "rerun with --deterministic warn (flash attention's backward then is not "
                                "deterministic: add --attn eager to keep on == off comparable)") from e
-        if lib != "torchao":
+        if lib != "torchao" and args.ac == "none":
             raise
-        row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        # "[<class 'torch.Tensor'>, <class 'torch.Tensor'>, ...]": a repeated item once, then "..."
+        first_line = re.sub(r"(<class '[^']+'>, )\1+", r"\1..., ", first_line)
+        row["error"] = f"{type(e).__name__}: {first_line[:450]}"
+        row["error_message"] = f"{type(e).__name__}: {str(e).strip()}"
         if dist.get_backend() == "gloo" and "Invalid scalar type" in row["error"]:
             row["error"] += " (gloo has no float8 dtypes: torchao all-gathers float8 tensors, which needs NCCL)"
         if dist.get_rank() == 0:
-            print(f"{name}: cannot run under this 2-D setup, reported n/a ({row['error']})", flush=True)
+            print(f"{name}: cannot run under this 2-D setup{'' if args.ac == 'none' else ' with --ac ' + args.ac}, "
+                  f"reported n/a ({row['error_message']})", flush=True)
         return row
     finally:
         gc.collect()
@@ -358,8 +481,10 @@ def run_config(args, name, mesh, device, recorder) -> dict:
     peak = torch.tensor([torch.cuda.max_memory_allocated() if device.type == "cuda" else 0], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+    tokens_per_s = args.batch * args.seq * submesh(mesh, "dp").size() / step_s
     row.update(losses=losses, finite=bad is None, first_nonfinite_step=bad, loss_first=losses[0],
-               loss_last=losses[-1], step_s=step_s, tokens_per_s=args.batch * args.seq * submesh(mesh, "dp").size() / step_s,
+               loss_last=losses[-1], step_s=step_s, tokens_per_s=tokens_per_s,
+               mfu=mfu(tokens_per_s, args, mesh.size(), peak_flops(args)),
                peak_mem_gib=peak.item() / 2**30 if device.type == "cuda" else None, collective_bytes=gathered,
                gather_bytes_dp=_per_step(gathered, "dp", args), gather_bytes_tp=_per_step(gathered, "tp", args),
                fsdp_gather_bytes_counted=fsdp_bytes, graph_breaks=sum(counters["graph_break"].values()),
@@ -398,17 +523,35 @@ def compare_on_off(rows: list[dict], reproducible: bool) -> None:
                 (i for i, (a, b) in enumerate(zip(r["losses"], other["losses"])) if a != b), None)
 
 
+def compare_torchao(rows: list[dict]) -> None:
+    """Fills ``vs_torchao`` of each fp8func row whose recipe has a torchao row (tensorwise: ``torchao``,
+    rowwise: ``torchao-rowwise``): the ratio of their tokens/s, None where either did not run."""
+    torchao = {r["recipe"]: r for r in rows if r["library"] == "torchao"}
+    for r in rows:
+        ref = torchao.get(r["recipe"]) if r["library"] == "fp8func" else None
+        if ref is not None:
+            r["vs_torchao_config"] = ref["config"]
+            r["vs_torchao"] = (r["tokens_per_s"] / ref["tokens_per_s"]
+                               if "tokens_per_s" in r and "tokens_per_s" in ref else None)
+
+
 def table_line(r: dict, bf16_tok: float | None, compiled: bool) -> str:
     mib = lambda b: "n/a" if b is None else f"{b / 2**20:.2f}"  # noqa: E731
     gather = {None: "-", True: "on", False: "off"}[r["fp8_all_gather"]]
     if "error" in r:
-        return f"| {r['config']} | {gather} | n/a | | n/a | n/a | n/a | n/a | n/a | n/a ({r['error']}) | |"
+        return f"| {r['config']} | {gather} | n/a | | n/a | | n/a | n/a | n/a | n/a | n/a | n/a ({r['error']}) | |"
     ratio = f"{r['tokens_per_s'] / bf16_tok:.2f}x" if bf16_tok else ""
+    util = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    if "vs_torchao_config" not in r:
+        vs_ao = ""
+    else:
+        vs_ao = "n/a" if r["vs_torchao"] is None else f"{r['vs_torchao']:.2f}x"
+        vs_ao += f" ({r['vs_torchao_config']})"
     finite = "True" if r["finite"] else f"False (step {r['first_nonfinite_step']})"
     peak = "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
     calls = ", ".join(f"{k} {v:g}" for k, v in (r["collective_calls"] or {}).items()) or "n/a"
     breaks = f"{r['graph_breaks']} ({r['graphs']} graphs)" if compiled else "- (eager)"
-    return (f"| {r['config']} | {gather} | {r['tokens_per_s']:.0f} | {ratio} | {mib(r['gather_bytes_dp'])} / "
+    return (f"| {r['config']} | {gather} | {r['tokens_per_s']:.0f} | {ratio} | {util} | {vs_ao} | {mib(r['gather_bytes_dp'])} / "
             f"{mib(r['gather_bytes_tp'])} | {calls} | {breaks} | {peak} | {finite} | "
             f"{r['loss_first']:.5f} / {r['loss_last']:.5f} | {_on_off(r)} |")
 
@@ -439,6 +582,13 @@ def parse_args():
                         "after each optimizer step (both libraries; the recommended FSDP2 setting)")
     p.add_argument("--fp8-lm-head", action="store_true",
                    help="convert the vocabulary projection (lm_head) too; by default it stays bf16 in every config")
+    p.add_argument("--ac", choices=AC_MODES, default="none",
+                   help="activation checkpointing of each decoder layer: full (recompute the layer) or "
+                        "selective (torchtitan's op-level policy: save matmul, attention and reduce-scatter / "
+                        "all-reduce outputs, recompute the rest)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak dense bf16 TFLOP/s of one device for the MFU column (default: H100 SXM / H200 "
+                        "989; another GPU or the CPU: n/a)")
     p.add_argument("--deterministic", choices=("strict", "warn", "off"), default="off",
                    help="strict: deterministic kernels, erroring where none exists (flash attention's backward "
                         "is deterministic only so); warn: warn there instead; off: fastest kernels")
@@ -483,6 +633,7 @@ def main():
             print({k: v for k, v in rows[-1].items() if k not in ("losses", "collective_bytes")}, flush=True)
     reproducible = args.device != "cuda" or args.deterministic != "off"
     compare_on_off(rows, reproducible)
+    compare_torchao(rows)
     for r in rows:
         r["not_reproducible"] = not reproducible
     if dist.get_rank() == 0:
@@ -502,10 +653,13 @@ def report(args, rows, world, mesh) -> None:
         ao = torchao.__version__
     except ImportError:
         ao = "not installed"
+    peak = peak_flops(args)
+    peak_text = "n/a" if peak is None else f"{peak / 1e12:g}"
     env = environment(world, args.device) | {
         "world size": str(world), "mesh": f"dp={submesh(mesh, 'dp').size()} x tp={submesh(mesh, 'tp').size()}", "torchao": ao,
         "transformers": transformers.__version__, "compile": f"{args.compile} ({args.compile_backend})" if args.compile else "False",
-        "deterministic mode": args.deterministic}
+        "deterministic mode": args.deterministic, "activation checkpointing": args.ac,
+        "peak bf16 TFLOP/s per device": peak_text}
     bf16 = next((r["tokens_per_s"] for r in rows if r["config"] == "bf16" and "tokens_per_s" in r), None)
     description = (f"Llama {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, heads {args.heads}/"
                    f"{args.kv_heads} kv, vocab {args.vocab}, seq {args.seq}, batch {args.batch} per dp rank, "
@@ -513,9 +667,17 @@ def report(args, rows, world, mesh) -> None:
                    f"MixedPrecisionPolicy, AdamW lr {args.lr}, FSDP2 over dp x sequence-parallel TP over tp, "
                    f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'} in the FP8 configs, tensorwise weight "
                    f"scales {'precomputed after each optimizer step' if args.precompute_scales else 'in the FSDP2 hook'}. "
+                   f"Activation checkpointing per decoder layer: {AC_DESCRIPTION[args.ac]}. "
+                   f"MFU: {flops_per_token(args) / 1e9:.3g} GFLOP per token (6 x matmul weights + 12 x layers x "
+                   f"hidden x seq) x tokens/s over {world} x the peak dense bf16 FLOP/s "
+                   f"({peak_text + ' TFLOP/s' if peak else 'n/a: the CPU or an unlisted GPU; --peak-tflops gives it'}). "
+                   f"vs torchao: tokens/s over the torchao row of the same recipe; torchao-rowwise runs the stock TP "
+                   f"styles and all-gathers bf16 weights (torchao's float8 TP styles and FSDP2 float8 all-gather "
+                   f"are tensorwise only). "
                    f"All-gathered MiB: what one rank sends per step (FSDP2 weights over dp / activations and "
                    f"gradients over tp), from the c10d flight recorder over {args.bytes_steps} step(s).")
-    header = ("| config | FSDP2 fp8 all-gather | tokens/s (global) | vs bf16 | all-gather MiB/step/rank dp / tp "
+    header = ("| config | FSDP2 fp8 all-gather | tokens/s (global) | vs bf16 | MFU | vs torchao "
+              "| all-gather MiB/step/rank dp / tp "
               "| collectives per step and rank | graph breaks | peak GiB | all finite | loss first / last | "
               "on == off (bitwise) |")
     emit(args, env, description, header, [table_line(r, bf16, bool(args.compile)) for r in rows],

@@ -3,8 +3,10 @@
 The script's JSON says, per configuration: finite losses, fp8func's FSDP2 fp8 all-gather on ==
 off bitwise (tensorwise, rowwise, and delayed scaling with a dynamic weight), and the all-gathered bytes the c10d flight recorder saw.
 torchao is left out: its TP styles and its FSDP2 all-gather move float8 tensors, which gloo cannot
-(the script reports such a run n/a; on NCCL it runs)."""
+(the script reports such a run n/a; on NCCL it runs). Activation checkpointing (``--ac``) runs on
+2 processes; the MFU formula is checked in one process (the only test here not marked slow)."""
 
+import argparse
 import json
 import os
 import pathlib
@@ -13,7 +15,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # every test here spawns processes (gloo or torchrun)
+from .examples import load_example
 
 ROOT = pathlib.Path(__file__).parents[1]
 CONFIGS = ["bf16", "fp8func-tensorwise", "fp8func-tensorwise-off", "fp8func-rowwise", "fp8func-rowwise-off",
@@ -24,11 +26,11 @@ ARGV = ["--device", "cpu", "--tp", "2", "--hidden", "128", "--intermediate", "25
         "--bytes-steps", "2", "--configs", ",".join(CONFIGS)]
 
 
-def _run_script(tmp_path, argv=ARGV, first="bf16") -> dict:
+def _run_script(tmp_path, argv=ARGV, first="bf16", nproc=4) -> dict:
     out = tmp_path / "scaling.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(ROOT / "examples" / "fsdp_tp_scaling.py"), *argv, "--json", str(out)]
     # Compiled configurations on four processes take minutes on 2 cores: a hang, not a slow
     # machine, is what the limit is for.
@@ -38,6 +40,7 @@ def _run_script(tmp_path, argv=ARGV, first="bf16") -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # spawns processes (torchrun), as every test here but the MFU one
 def test_fsdp_tp_scaling_script_on_cpu(tmp_path):
     result = _run_script(tmp_path)
     rows = {r["config"]: r for r in result["rows"]}
@@ -73,6 +76,7 @@ COMPILED = ["bf16", "fp8func-tensorwise-stock", "fp8func-tensorwise-stock-off", 
 COMPILED_ARGV = [*ARGV[:ARGV.index("--steps")], "--steps", "2", "--warmup", "1", "--bytes-steps", "1", "--compile"]
 
 
+@pytest.mark.slow
 def test_compiled_layers_graph_breaks_and_collectives(tmp_path):
     """The example compiled per decoder layer on 4 gloo processes (dp2 x tp2, 2 layers): graph
     breaks from torch._dynamo's counters and collectives per step and rank from c10d's flight
@@ -130,6 +134,7 @@ def test_compiled_layers_graph_breaks_and_collectives(tmp_path):
     assert rows["fp8func-rowwise"]["gather_bytes_tp"] >= bf16["gather_bytes_tp"]
 
 
+@pytest.mark.slow
 def test_compiled_with_inductor_the_fp8_all_gather_changes_no_loss(tmp_path):
     """The stock TP styles on fp8func layers, each decoder layer compiled by inductor, FSDP2's fp8
     all-gather on and off: one graph per layer without a break, and bitwise the same losses."""
@@ -145,3 +150,84 @@ def test_compiled_with_inductor_the_fp8_all_gather_changes_no_loss(tmp_path):
         assert r["graph_breaks"] == 0 and r["graphs"] == 2, (name, r["graph_break_reasons"])
     assert on["losses"] == off["losses"] and on["on_equals_off"] is True
     assert on["gather_bytes_dp"] < 0.6 * off["gather_bytes_dp"]
+
+
+AC_CONFIGS = ["bf16", "fp8func-tensorwise", "fp8func-tensorwise-off", "fp8func-rowwise", "fp8func-delayed"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 1])
+def test_activation_checkpointing_full_and_selective(tmp_path, tp):
+    """``--ac none / full / selective`` on 2 gloo processes (dp1 x tp2, dp2 x tp1), eager: each
+    decoder layer checkpointed after TP and before FSDP2. Finite losses, bitwise those without
+    checkpointing (recomputation changes memory, not numbers), and fp8func tensorwise's FSDP2 fp8
+    all-gather still changes no loss. A row-wise layer with the fp8 all-gather on refuses the
+    recomputed forward (docs/fsdp.md): its row says so, n/a, and the run goes on. Delayed scaling
+    runs under full checkpointing, bitwise; under selective, the recomputed layer passes the state
+    its forward returned, so its ops differ from the forward's and the selective cache misses."""
+    argv = [*ARGV[:ARGV.index("--configs")], "--tp", str(tp), "--configs", ",".join(AC_CONFIGS)]
+    runs = {}
+    for ac in ("none", "full", "selective"):
+        result = _run_script(tmp_path, [*argv, "--ac", ac], nproc=2)
+        assert result["environment"]["activation checkpointing"] == ac
+        assert result["environment"]["mesh"] == f"dp={2 // tp} x tp={tp}"
+        runs[ac] = {r["config"]: r for r in result["rows"]}
+    for ac, rows in runs.items():
+        assert list(rows) == AC_CONFIGS
+        for name in AC_CONFIGS[:3]:
+            r = rows[name]
+            assert "error" not in r and r["finite"] and len(r["losses"]) == STEPS, (ac, name, r.get("error"))
+            assert r["losses"] == runs["none"][name]["losses"], (ac, name)
+        on, off = rows["fp8func-tensorwise"], rows["fp8func-tensorwise-off"]
+        assert on["on_equals_off"] is True and on["losses"] == off["losses"], (ac, on["losses"], off["losses"])
+        rowwise = rows["fp8func-rowwise"]
+        if ac == "none":
+            assert "error" not in rowwise and rowwise["finite"], rowwise.get("error")
+        else:
+            assert "activation checkpointing recomputes the forward" in rowwise["error"], rowwise.get("error")
+        delayed = rows["fp8func-delayed"]
+        if ac == "selective":
+            assert "not found in storage" in delayed["error"], delayed.get("error")
+        else:
+            assert "error" not in delayed and delayed["losses"] == runs["none"]["fp8func-delayed"]["losses"], delayed
+
+
+@pytest.mark.slow
+def test_selective_activation_checkpointing_compiled(tmp_path):
+    """``--ac selective --compile`` (aot_eager: dynamo's graphs and AOTAutograd's partition, the
+    selective policy applied there) on dp1 x tp2: one graph per layer, no break, finite losses,
+    fp8func tensorwise on == off bitwise."""
+    names = AC_CONFIGS[:3]
+    argv = [*COMPILED_ARGV, "--compile-backend", "aot_eager", "--ac", "selective", "--configs", ",".join(names)]
+    rows = {r["config"]: r for r in _run_script(tmp_path, argv, nproc=2)["rows"]}
+    assert list(rows) == names
+    for name, r in rows.items():
+        assert "error" not in r and r["finite"], (name, r.get("error"))
+        assert r["graph_breaks"] == 0 and r["graphs"] == 2, (name, r["graph_break_reasons"])
+    assert rows["fp8func-tensorwise"]["on_equals_off"] is True
+
+
+def test_mfu_formula_on_llama3_8b(monkeypatch):
+    """The MFU column's FLOPs per token at Llama-3-8B's sizes against its published parameter
+    count, and the peak FLOP/s it divides by."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # the example imports _common, tp_fp8_parity
+    ex = load_example("fsdp_tp_scaling")
+    args = argparse.Namespace(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
+                              seq=8192, device="cuda", peak_tflops=None)
+    # Llama-3-8B: 8,030,261,248 parameters; no matmul in the embedding (vocab x hidden) nor in the
+    # 2 x 32 + 1 RMSNorm weights.
+    matmul_params = 8_030_261_248 - 128256 * 4096 - 65 * 4096
+    per_token = 6 * matmul_params + 12 * 32 * 4096 * 8192
+    assert ex.flops_per_token(args) == per_token == 57_912_852_480
+    # 8 GPUs at 989 TFLOP/s each, running 40% of that in model FLOPs:
+    tokens_per_s = 0.4 * 8 * 989e12 / per_token
+    assert ex.mfu(tokens_per_s, args, 8, 989e12) == pytest.approx(0.4)
+    assert ex.mfu(tokens_per_s, args, 8, None) is None
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12), ("NVIDIA H100 PCIe", None),
+                       ("NVIDIA A100-SXM4-80GB", None)):
+        monkeypatch.setattr("torch.cuda.get_device_name", lambda *a, _n=name: _n)
+        assert ex.peak_flops(args) == peak, name
+    args.device = "cpu"
+    assert ex.peak_flops(args) is None
+    args.peak_tflops = 500.0
+    assert ex.peak_flops(args) == 500e12
