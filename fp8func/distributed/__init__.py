@@ -1,7 +1,8 @@
 """Distributed pieces of the shell: FSDP2 fp8 all-gather and fp8 weight types, tensor- and expert-parallel styles.
 
-Sits below ``fp8func.nn`` (it may import the shell; the shell never imports it) and registers its
-weight types with the shell when imported (``import fp8func`` imports it).
+Sits above the shell ``fp8func.nn`` in the layer order of docs/design.md: it may import the shell,
+the shell never imports it. It registers its weight types with the shell when imported (``import
+fp8func`` imports it).
 """
 
 from ._delayed import share_scaling_state as share_scaling_state
