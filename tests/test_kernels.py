@@ -277,7 +277,7 @@ def test_config_check_names_what_the_route_needs(route, cfg, match):
 def test_sweep_candidates_are_runnable_and_include_the_frozen_configs():
     """The sweep (a GPU tool) imports on the CPU, covers every route, and each candidate passes
     the route's check; the frozen configuration is among them, so a re-sweep can keep it."""
-    from fp8func.kernels import _sweep
+    from fp8func.bench import _sweep
 
     assert set(_sweep.CANDIDATES) == set(_sweep.CALLS) == set(_configs.CONFIGS)
     for route, cands in _sweep.CANDIDATES.items():

@@ -185,7 +185,7 @@ def median_step_s(fn, device, warmup: int, iters: int) -> float:
 def kernel_class(name: str) -> str:
     """The class of a GPU kernel, by its name, for the profile table."""
     n = name.lower()
-    if re.match(r"_(amax|cast|quant)\w*_kernel", n):  # fp8func's Triton casts (kernels/)
+    if re.match(r"_(amax|cast|quant)\w*_kernel", n):  # fp8func's Triton casts (fp8func.kernels)
         return "fp8func casts"
     if n.startswith("triton_") and not n.startswith("triton_tem_"):
         # inductor's fused kernels (norms, rope, SiLU, torchao's casts), named after the ATen ops

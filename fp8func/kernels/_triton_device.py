@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8func._formats import fp8_max, tracing
-from fp8func._scaling import EPS
+from .._formats import fp8_max, tracing
+from .._scaling import EPS
 
 __all__ = ["abs_bits", "amax_bits", "anchor", "canonical_nan", "consts", "recip", "saturate", "scale_of", "transposed"]
 
