@@ -176,8 +176,11 @@ def build_llama(args, device: torch.device):
 
 def torchao_sp_plans() -> tuple[dict, dict]:
     """``sp_plans``'s layout with torchao's float8 styles (its activations travel in float8)."""
-    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
-                                                       PrepareFloat8ModuleInput)
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
 
     col, row = Float8ColwiseParallel, Float8RowwiseParallel
     model_plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -359,7 +362,8 @@ def run_config(args, name, mesh, device, recorder) -> dict:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
     row.update(losses=losses, finite=bad is None, first_nonfinite_step=bad, loss_first=losses[0],
-               loss_last=losses[-1], step_s=step_s, tokens_per_s=args.batch * args.seq * submesh(mesh, "dp").size() / step_s,
+               loss_last=losses[-1], step_s=step_s,
+               tokens_per_s=args.batch * args.seq * submesh(mesh, "dp").size() / step_s,
                peak_mem_gib=peak.item() / 2**30 if device.type == "cuda" else None, collective_bytes=gathered,
                gather_bytes_dp=_per_step(gathered, "dp", args), gather_bytes_tp=_per_step(gathered, "tp", args),
                fsdp_gather_bytes_counted=fsdp_bytes, graph_breaks=sum(counters["graph_break"].values()),
@@ -474,7 +478,8 @@ def main():
                          "(sequence parallel splits the sequence evenly)")
     device = local_device(args.device)
     mesh = init_device_mesh(args.device, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
-    recorder = FlightRecorderBytes(backend, {"dp": submesh(mesh, "dp").get_group(), "tp": submesh(mesh, "tp").get_group()})
+    recorder = FlightRecorderBytes(backend, {"dp": submesh(mesh, "dp").get_group(),
+                                             "tp": submesh(mesh, "tp").get_group()})
     prime_lazy_state(args.configs.split(","), mesh, device)
     rows = []
     for name in args.configs.split(","):
@@ -503,8 +508,9 @@ def report(args, rows, world, mesh) -> None:
     except ImportError:
         ao = "not installed"
     env = environment(world, args.device) | {
-        "world size": str(world), "mesh": f"dp={submesh(mesh, 'dp').size()} x tp={submesh(mesh, 'tp').size()}", "torchao": ao,
-        "transformers": transformers.__version__, "compile": f"{args.compile} ({args.compile_backend})" if args.compile else "False",
+        "world size": str(world), "mesh": f"dp={submesh(mesh, 'dp').size()} x tp={submesh(mesh, 'tp').size()}",
+        "torchao": ao, "transformers": transformers.__version__,
+        "compile": f"{args.compile} ({args.compile_backend})" if args.compile else "False",
         "deterministic mode": args.deterministic}
     bf16 = next((r["tokens_per_s"] for r in rows if r["config"] == "bf16" and "tokens_per_s" in r), None)
     description = (f"Llama {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, heads {args.heads}/"
@@ -512,7 +518,8 @@ def report(args, rows, world, mesh) -> None:
                    f"{args.steps} steps ({args.warmup} warm-up), {args.attn} attention, fp32 master + bf16 "
                    f"MixedPrecisionPolicy, AdamW lr {args.lr}, FSDP2 over dp x sequence-parallel TP over tp, "
                    f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'} in the FP8 configs, tensorwise weight "
-                   f"scales {'precomputed after each optimizer step' if args.precompute_scales else 'in the FSDP2 hook'}. "
+                   "scales "
+                   f"{'precomputed after each optimizer step' if args.precompute_scales else 'in the FSDP2 hook'}. "
                    f"All-gathered MiB: what one rank sends per step (FSDP2 weights over dp / activations and "
                    f"gradients over tp), from the c10d flight recorder over {args.bytes_steps} step(s).")
     header = ("| config | FSDP2 fp8 all-gather | tokens/s (global) | vs bf16 | all-gather MiB/step/rank dp / tp "

@@ -33,9 +33,8 @@ from ._gathered import casts_only, gathered_casts
 from ._gemm import gemm
 from ._plan import LinearPlan, operand, plan, transposed, untileable
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import CastSpec, Recipe
+from ._scaling import CastSpec, Recipe, TensorWise
 from ._sharding import Sharding, reduce_amax
-from ._scaling import TensorWise
 
 __all__ = ["linear", "linear_delayed", "fp8_linear"]
 

@@ -17,8 +17,17 @@ from ._formats import tracing
 from ._ops import quantize, quantize_with_scale
 from ._plan import LinearPlan, operand, plan, transposed
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import (AxisWise, BlockWise, CastSpec, Recipe, TensorWise, compute_amax, compute_scale,
-                       raw_block_lengths, scale_shape)
+from ._scaling import (
+    AxisWise,
+    BlockWise,
+    CastSpec,
+    Recipe,
+    TensorWise,
+    compute_amax,
+    compute_scale,
+    raw_block_lengths,
+    scale_shape,
+)
 from ._sharding import Sharding, reduce_amax
 
 __all__ = ["activation_casts", "grad_output_casts", "input_casts", "weight_casts"]

@@ -297,7 +297,8 @@ def _local(q: Fp8Tensor) -> tuple[Fp8Tensor, tuple]:
     return Fp8Tensor(data.to_local(), scale.to_local(), q.meta), tuple(data.placements)
 
 
-def _gemm_sharded(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, path: str, fast_accum: bool = False) -> torch.Tensor:
+def _gemm_sharded(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, path: str,
+                  fast_accum: bool = False) -> torch.Tensor:
     """``gemm`` of DTensor operands: the local GEMM on each rank's shards, placed explicitly.
 
     Per mesh dim: (Replicate, Replicate) -> Replicate; (Shard(0), Replicate) -> Shard(0);

@@ -16,7 +16,6 @@ from torch.distributed.tensor import DTensor
 
 from ._formats import saturate_cast
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._sharding import Sharding, check_blocks_within_shards, reduce_amax
 from ._scaling import (
     CastSpec,
     block_lengths,
@@ -27,6 +26,7 @@ from ._scaling import (
     scale_shape,
     split_groups,
 )
+from ._sharding import Sharding, check_blocks_within_shards, reduce_amax
 
 __all__ = ["quantize", "quantize_with_scale", "dequantize", "fake_quantize"]
 

@@ -32,8 +32,22 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ._scaling import (AMAX_ALGOS, KERNEL_MODES, MX, PATHS, AxisWise, BlockWise, CastSpec, DelayedScaling, Recipe,
-                       TensorWise, _norm_axis, block_lengths, raw_block_lengths, transpose_granularity)
+from ._scaling import (
+    AMAX_ALGOS,
+    KERNEL_MODES,
+    MX,
+    PATHS,
+    AxisWise,
+    BlockWise,
+    CastSpec,
+    DelayedScaling,
+    Recipe,
+    TensorWise,
+    _norm_axis,
+    block_lengths,
+    raw_block_lengths,
+    transpose_granularity,
+)
 
 __all__ = ["GemmPlan", "LinearPlan", "OperandCasts", "plan", "operand", "untileable", "transposed"]
 

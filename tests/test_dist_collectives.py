@@ -76,7 +76,8 @@ def _two_d(rank, world_size):
         q = f8.quantize(shard, spec, sharding=sharding)
         q = f8.all_gather(f8.all_gather(q, mesh, 1, 1), mesh, 0, 0)
         want = f8.quantize(x, spec)
-        out[name] = torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
+        out[name] = (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8))
+                     and torch.equal(q.scale, want.scale))
         out[name + "_kernels"] = _kernel_cast_is_quantize(shard.contiguous(), spec, sharding)
     out["delayed_kernels"] = _kernel_delayed_cast_is_quantize_delayed(shard.contiguous(), x, f8.Sharding(
         mesh, (Shard(0), Shard(1))))
@@ -212,8 +213,9 @@ def test_more_sharding_errors():
 
 def _dtensor_casts(rank, world_size):
     """Eager casts of DTensors through the kernel dispatch (twins on the CPU) against DTensor ops."""
-    import fp8func._casts as casts_mod
     from torch.distributed.tensor import DTensor
+
+    import fp8func._casts as casts_mod
 
     mesh = init_device_mesh("cpu", (world_size,))
     g = torch.Generator().manual_seed(0)

@@ -452,7 +452,8 @@ def test_precompute_amaxes_are_bitwise_the_hooks(param_dtype):
     fast, slow = shard_amaxes(shards, dtypes), shard_amaxes_reference(shards, dtypes)
     assert torch.equal(fast.view(torch.int32), slow.view(torch.int32)), (fast, slow)
     mixed = [param_dtype, torch.float32] * (len(shards) // 2) + [param_dtype] * (len(shards) % 2)
-    assert torch.equal(shard_amaxes(shards, mixed).view(torch.int32), shard_amaxes_reference(shards, mixed).view(torch.int32))
+    assert torch.equal(shard_amaxes(shards, mixed).view(torch.int32),
+                       shard_amaxes_reference(shards, mixed).view(torch.int32))
 
 
 def _kept_after_precompute(rank, world_size):

@@ -10,8 +10,6 @@ from hypothesis import strategies as st
 import fp8func as f8
 from fp8func import _gemm
 
-from .strategies import tensors
-
 PAIRS = {  # (a granularity on [M, K], b granularity on [K, N])
     "tensorwise": (f8.TensorWise(), f8.TensorWise()),
     "rowwise": (f8.AxisWise(-1), f8.AxisWise(0)),
@@ -91,7 +89,8 @@ def test_gemm_of_packed_views_is_the_gemm_of_their_copies():
     b = f8.Fp8Tensor(second, scale, a.meta).t()
     a_copy = f8.Fp8Tensor(first.contiguous(), scale, a.meta)
     b_copy = f8.Fp8Tensor(second.contiguous(), scale, a.meta).t()
-    assert torch.equal(f8.gemm(a, b, torch.float32, path="hardware"), f8.gemm(a_copy, b_copy, torch.float32, path="hardware"))
+    assert torch.equal(f8.gemm(a, b, torch.float32, path="hardware"),
+                       f8.gemm(a_copy, b_copy, torch.float32, path="hardware"))
 
 
 def test_bias_is_added_in_out_dtype():

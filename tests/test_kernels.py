@@ -459,7 +459,8 @@ def _check_transposed_casts(route):
                     _check_quantize(x, f8.CastSpec(fp8, g, p2), True, _eager)
                 spec = f8.CastSpec(fp8)
                 s = fk.amax(x, f8.TensorWise(), impl="reference").nan_to_num(1.0) / 64 + 1e-30
-                got, want = (fk.cast(x, s, spec, transpose=True, scale_t=s, impl=impl) for impl in ("triton", "reference"))
+                got, want = (fk.cast(x, s, spec, transpose=True, scale_t=s, impl=impl)
+                             for impl in ("triton", "reference"))
             elif route == "cast_amax_t":
                 spec = f8.CastSpec(fp8)
                 s = torch.full((1, 1), 0.01, device="cuda")

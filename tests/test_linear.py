@@ -160,7 +160,8 @@ def test_linear_errors():
         f8.linear(x, w, recipe="fp4")
     with pytest.raises(TypeError, match="expected a Recipe, a LinearPlan or a recipe name"):
         f8.linear(x, w, recipe=3)
-    with pytest.raises(ValueError, match=r"plan 'blockwise' on M=4, K=64, N=32: the output GEMM's input x cast cannot tile"):
+    with pytest.raises(ValueError,
+                       match=r"plan 'blockwise' on M=4, K=64, N=32: the output GEMM's input x cast cannot tile"):
         f8.linear(x, w, recipe="blockwise")
     with pytest.raises(ValueError, match=r"the grad_weight GEMM's grad_output dy.T cast cannot tile its operand"):
         f8.linear(torch.randn(64, 128), torch.randn(128, 128), recipe="blockwise")

@@ -1,4 +1,5 @@
-"""``python -m fp8func.bench {all,gemm,quantize,linear,block,auto,calibrate,grouped,memory,profile} [--iters N] [--json PATH]``: print a markdown table.
+"""``python -m fp8func.bench {all,gemm,quantize,linear,block,auto,calibrate,grouped,memory,profile}
+[--iters N] [--json PATH]``: print a markdown table.
 
 ``python -m fp8func.bench {model,fsdp} [options]``: whole-model training steps; each takes its own
 options (``python -m fp8func.bench model --help``) and runs on the CPU too (tiny shapes, for tests).
@@ -28,15 +29,17 @@ def main(argv=None) -> None:
         {"model": _model, "fsdp": _fsdp, "sweep": _sweep}[argv[0]].main(argv[1:])
         return
     parser = argparse.ArgumentParser(prog="python -m fp8func.bench", description=__doc__)
-    parser.add_argument("what", choices=["all", "gemm", "quantize", "linear", "block", "auto", "calibrate", "grouped", "memory", "profile",
-                                           *ENTRIES],
+    parser.add_argument("what", choices=["all", "gemm", "quantize", "linear", "block", "auto", "calibrate", "grouped",
+                                         "memory", "profile", *ENTRIES],
                         help="which benchmark to run (all: linear, quantize and block in one process; model, fsdp, "
                              "sweep: see their own --help)")
     parser.add_argument("--iters", type=int, default=50, help="timed runs per case (median reported)")
     parser.add_argument("--json", help="also write rows and environment to this JSON file")
-    parser.add_argument("--shapes", help="quantize: MxK[,...]; all / linear / auto / profile: MxKxN[,...] instead of the default shapes")
-    parser.add_argument("--recipes", help="all / linear / block / auto / memory / profile: comma list of recipes (default "
-                        "tensorwise,rowwise,blockwise,delayed; all: tensorwise,rowwise,blockwise; memory: tensorwise,rowwise; profile: tensorwise). "
+    parser.add_argument("--shapes", help="quantize: MxK[,...]; all / linear / auto / profile: MxKxN[,...] instead of "
+                        "the default shapes")
+    parser.add_argument("--recipes", help="all / linear / block / auto / memory / profile: comma list of recipes "
+                        "(default tensorwise,rowwise,blockwise,delayed; all: tensorwise,rowwise,blockwise; memory: "
+                        "tensorwise,rowwise; profile: tensorwise). "
                         "'delayed' is compared with torchao's dynamic tensorwise; '<recipe>+fastfwd' runs the "
                         "output GEMM with fast accumulation as torchao does")
     args = parser.parse_args(argv)

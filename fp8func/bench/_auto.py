@@ -87,7 +87,8 @@ def table(rows: list[dict]) -> str:
         modelled = f"{r['modelled']:.2f}x" if r["modelled"] else "-"
         lines.append(f"| {m}x{k}x{n} | {r['recipe']} | {'fp8' if r['auto_fp8'] else 'bf16'} | {modelled} | "
                      f"{r['bf16_ms']:.3f} / {r['bf16_b2b_ms']:.3f} | {r['fp8_ms']:.3f} / {r['fp8_b2b_ms']:.3f} | "
-                     f"{r['bf16_ms'] / r['fp8_ms']:.2f}x / {r['bf16_b2b_ms'] / r['fp8_b2b_ms']:.2f}x | {r['verdict']} |")
+                     f"{r['bf16_ms'] / r['fp8_ms']:.2f}x / {r['bf16_b2b_ms'] / r['fp8_b2b_ms']:.2f}x | "
+                     f"{r['verdict']} |")
     converted = [r for r in rows if r["auto_fp8"]]
     slower = [r for r in converted if r["verdict"] != "ok"]
     missed = [r for r in rows if r["verdict"] == "missed"]

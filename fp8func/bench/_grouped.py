@@ -144,7 +144,8 @@ def table(rows: list[dict]) -> str:
     env = environment()
     lines = [f"{env['device']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}: `{env['command']}`", "",
              "| GEMM | M x K x N | groups | FP8 path | bf16 ms | fp8func ms | fp8func fast-accum ms | torchao ms | "
-             "fp8func vs bf16 | fast-accum vs bf16 | fp8func TFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fp8func vs bf16 | fast-accum vs bf16 | fp8func TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(v):
         return f"{v:.3f}" if v else "n/a"

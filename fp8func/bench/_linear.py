@@ -92,7 +92,8 @@ def run(shapes=SHAPES, recipes=RECIPES, iters: int = 30) -> list[dict]:
                 ao_ms[base] = _times(_fwd_bwd(torch.compile(ao), x, dy), iters) if ao is not None else (None, None)
             row["torchao_ms"], row["torchao_b2b_ms"] = ao_ms[base]
             ours = f8.nn.Fp8Linear.from_linear(_linear(m, k, n), ours_recipe, fsdp_fp8_all_gather=False)
-            row["fp8func_ms"], row["fp8func_b2b_ms"] = _times(_fwd_bwd(torch.compile(ours, fullgraph=True), x, dy), iters)
+            compiled = torch.compile(ours, fullgraph=True)
+            row["fp8func_ms"], row["fp8func_b2b_ms"] = _times(_fwd_bwd(compiled, x, dy), iters)
             rows.append(row)
             print(row, flush=True)
             torch.compiler.reset()

@@ -262,7 +262,8 @@ def optimizer(model, args):
 def step_line(args) -> str:
     if args.optimizer == "none":
         return "a step: forward, loss, backward, zero_grad (no optimizer)"
-    return f"AdamW (its state in the parameters' dtype), lr {args.lr}; a step: forward, loss, backward, optimizer step, zero_grad"
+    return (f"AdamW (its state in the parameters' dtype), lr {args.lr}; a step: forward, loss, backward, "
+            "optimizer step, zero_grad")
 
 
 def free(device) -> None:
@@ -285,7 +286,7 @@ def run_config(name: str, spec: dict, args, data) -> dict:
         probes["timeline"] = lambda step: timeline(model, step)
     row.update(measure(model, opt, data, args.device, warmup=args.warmup, iters=args.iters, probes=probes))
     row["tokens_per_s"] = tokens / row["step_ms"] * 1e3
-    del model, opt
+    model = opt = None  # freed before the next configuration
     free(args.device)
     print({k: v for k, v in row.items() if k != "losses"}, flush=True)
     return row
@@ -432,6 +433,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     compare(rows)
     setup = (f"{model_line(spec)}; bf16 parameters; {step_line(args)}; compile: {COMPILED[args.compile]}; "
              f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'}; median of {args.iters} synchronized steps after "
-             f"{COMPILE_STEPS} compile steps and {args.warmup} warm-up steps; loss at step {len(rows[0]['losses']) - 1}.")
+             f"{COMPILE_STEPS} compile steps and {args.warmup} warm-up steps; "
+             f"loss at step {len(rows[0]['losses']) - 1}.")
     emit(table(rows, env, setup), env, rows, args.json, setup=setup, model=spec)
     return rows

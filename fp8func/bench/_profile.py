@@ -129,7 +129,8 @@ def grouped_gemm_times(tokens: int = 16384, iters: int = 20) -> list[str]:
         ("forward x @ w.T", lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
          lambda: grouped_gemm(qx, qw, offs)),
         ("grad_input dy @ w", lambda: torch._grouped_mm(dy, w, offs=offs), lambda: grouped_gemm(qdy, qw_n, offs)),
-        ("grad_weight dy.T @ x", lambda: torch._grouped_mm(dy.t(), x, offs=offs), lambda: grouped_gemm(qdy_t, qx_j, offs)),
+        ("grad_weight dy.T @ x", lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+         lambda: grouped_gemm(qdy_t, qx_j, offs)),
     ]
     lines = [f"{m}x{k}x{n}, {e} experts", "| GEMM | bf16 ms | fp8 ms (with operand layout copies) | fp8 vs bf16 |",
              "|---|---|---|---|"]

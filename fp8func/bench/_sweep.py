@@ -131,7 +131,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     routes = args.routes.split(",") if args.routes else None
     if routes and not set(routes) <= set(CANDIDATES):
-        parser.error(f"--routes {args.routes}: unknown {sorted(set(routes) - set(CANDIDATES))}; known: {list(CANDIDATES)}")
+        parser.error(f"--routes {args.routes}: unknown {sorted(set(routes) - set(CANDIDATES))}; "
+                     f"known: {list(CANDIDATES)}")
     copy = copy_gbps(args.iters)
     print(f"copy {copy:.0f} GB/s\n| route | shape | config | bitwise | ms | GB/s |\n|---|---|---|---|---|---|")
     rows = sweep(args.iters, routes)

@@ -95,7 +95,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, Batches]:
     out = os.path.abspath(args.out)
     folder = os.path.dirname(out)
     if os.path.isdir(out):
-        p.error(f"argument --out: {args.out} is a folder; give a file name such as {os.path.join(args.out, 'loss.png')}")
+        p.error(f"argument --out: {args.out} is a folder; give a file name such as "
+                f"{os.path.join(args.out, 'loss.png')}")
     if not os.path.isdir(folder):
         p.error(f"argument --out: the folder {folder} does not exist; create it or write elsewhere")
     if not os.access(folder, os.W_OK):

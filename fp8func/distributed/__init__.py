@@ -5,6 +5,9 @@ the shell never imports it. It registers its weight types with the shell when im
 fp8func`` imports it).
 """
 
+from ..nn._weights import FP8_ALL_GATHER as _FP8_ALL_GATHER
+from ..nn._weights import FP8_WEIGHTS as _FP8_WEIGHTS
+from ..nn._weights import register_weight_type as _register_weight_type
 from ._delayed import share_scaling_state as share_scaling_state
 from ._ep import DispatchPlan as DispatchPlan
 from ._ep import ExpertParallel as ExpertParallel
@@ -21,15 +24,12 @@ from ._tp import Fp8ColwiseParallel as Fp8ColwiseParallel
 from ._tp import Fp8RowwiseParallel as Fp8RowwiseParallel
 from ._tp import PrepareFp8ModuleInput as PrepareFp8ModuleInput
 from ._tp import sequence_all_gather as sequence_all_gather
-from ..nn._weights import FP8_ALL_GATHER as _FP8_ALL_GATHER
-from ..nn._weights import FP8_WEIGHTS as _FP8_WEIGHTS
-from ..nn._weights import register_weight_type as _register_weight_type
 
 # The shell never imports this layer: the weight types it can hold are registered with it here.
 _register_weight_type(_FP8_ALL_GATHER, Fp8AllGatherWeight)
 _register_weight_type(_FP8_WEIGHTS, Fp8WeightParam)
 
-__all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "Fp8WeightParam", "chunk_sizes", "precompute_after_optimizer_step",
-           "precompute_scales", "Fp8ColwiseParallel", "Fp8RowwiseParallel",
+__all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "Fp8WeightParam", "chunk_sizes",
+           "precompute_after_optimizer_step", "precompute_scales", "Fp8ColwiseParallel", "Fp8RowwiseParallel",
            "PrepareFp8ModuleInput", "sequence_all_gather", "share_scaling_state",
            "DispatchPlan", "ExpertParallel", "combine", "dispatch", "parallelize_experts"]

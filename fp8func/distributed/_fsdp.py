@@ -412,7 +412,8 @@ class Fp8AllGatherWeight(AssignableData, _GatherHooks, torch.Tensor):
         kept = self._scales.get(name)
         if kept is not None and kept[0] == version:
             if data and len(kept) == 3:  # precompute_scales' payload: no launch here
-                return Fp8Tensor(kept[2], kept[1], Fp8Meta(spec, param_dtype, sharding[0] if len(sharding) == 1 else None))
+                meta = Fp8Meta(spec, param_dtype, sharding[0] if len(sharding) == 1 else None)
+                return Fp8Tensor(kept[2], kept[1], meta)
             if data:
                 return _cast_with_scale(self._tensor, kept[1], spec, sharding, round_to=param_dtype)
             return _ScaleOnly(self._tensor, kept[1], spec)
@@ -752,7 +753,8 @@ def shard_amaxes(shards: list[torch.Tensor], dtypes: list[torch.dtype]) -> torch
 
 def shard_amaxes_reference(shards: list[torch.Tensor], dtypes: list[torch.dtype]) -> torch.Tensor:
     """``shard_amaxes``, one shard at a time: cast, abs, amax."""
-    return _canonical_nan(torch.stack([t.to(d).abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+    return _canonical_nan(torch.stack([t.to(d).abs().amax().float() if t.numel()
+                                       else t.new_zeros((), dtype=torch.float32)
                                        for t, d in zip(shards, dtypes)]))
 
 

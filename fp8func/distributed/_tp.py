@@ -20,10 +20,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from .._casts import _cast, activation_casts, grad_output_casts
 from .._collectives import _gather_padded
+from .._gathered import Fp8GatheredWeight
 from .._qtensor import Fp8Tensor
 from .._scaling import Recipe, raw_block_lengths
 from .._sharding import Sharding
-from .._gathered import Fp8GatheredWeight
 from ..nn._linear import Fp8Linear
 
 __all__ = ["Fp8ColwiseParallel", "Fp8RowwiseParallel", "PrepareFp8ModuleInput", "sequence_all_gather"]
@@ -222,7 +222,8 @@ class PrepareFp8ModuleInput(PrepareModuleInput):
         >>> parallelize_module(block, tp_mesh, {
         ...     "self_attn": PrepareFp8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
         ...     "self_attn.q_proj": Fp8ColwiseParallel(), "self_attn.k_proj": Fp8ColwiseParallel(),
-        ...     "self_attn.v_proj": Fp8ColwiseParallel(), "self_attn.o_proj": Fp8RowwiseParallel(output_layouts=Shard(1))})
+        ...     "self_attn.v_proj": Fp8ColwiseParallel(),
+        ...     "self_attn.o_proj": Fp8RowwiseParallel(output_layouts=Shard(1))})
     """
 
     def _apply(self, module, device_mesh):

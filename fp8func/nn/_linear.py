@@ -14,8 +14,16 @@ from .._autograd import fp8_linear, unpack_state
 from .._delayed import LinearScalingState, refresh
 from .._gathered import casts_only, gathered_casts
 from .._scaling import Recipe
-from ._weights import FP8_ALL_GATHER, FP8_WEIGHTS, check_fp8_weights_recipe, hp_weight, local_of, weight_kind, \
-    weight_type, wrap_weight
+from ._weights import (
+    FP8_ALL_GATHER,
+    FP8_WEIGHTS,
+    check_fp8_weights_recipe,
+    hp_weight,
+    local_of,
+    weight_kind,
+    weight_type,
+    wrap_weight,
+)
 
 __all__ = ["Fp8Linear"]
 
