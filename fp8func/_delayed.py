@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._formats import fp8_max, round_up_to_pow2
-from ._ops import _check_hp, quantize_with_scale
+from ._ops import check_hp, quantize_with_scale
 from ._qtensor import Fp8Tensor
 from ._scaling import AMAX_ALGOS, EPS, CastSpec, TensorWise, compute_amax, compute_scale
 from ._sharding import Sharding, reduce_amax
@@ -116,7 +116,7 @@ def quantize_delayed(
     With ``sharding`` (``x`` a local shard) the recorded amax is the mesh-wide one, so every
     shard's state stays identical.
     """
-    _check_hp(x, "quantize")
+    check_hp(x, "quantize")
     _check_state(state, spec)
     if algo not in AMAX_ALGOS:
         raise ValueError(f"quantize(algo={algo!r}): expected one of {AMAX_ALGOS}.")

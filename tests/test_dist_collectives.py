@@ -88,12 +88,12 @@ def _kernel_delayed_cast_is_quantize_delayed(shard, x, sharding) -> bool:
     """The delayed cast of a shard through ``kernels.cast_amax`` (its twin here) records the
     mesh-reduced amax: the same cast, new state and meta as ``quantize(state=..., sharding=...)``,
     and the history's newest entry is the full tensor's amax on every rank."""
-    from fp8func._casts import _cast_delayed
+    from fp8func._casts import cast_delayed
     from fp8func._delayed import ScalingState, next_state, quantize_delayed
 
     spec = f8.CastSpec()
     state = ScalingState.from_tensor(x * 0.25, spec, 4)  # saturates: x is 4x larger
-    q, q_t, amax = _cast_delayed(shard, spec, state.scale, transpose=True, kernels="reference")
+    q, q_t, amax = cast_delayed(shard, spec, state.scale, transpose=True, kernels="reference")
     new = next_state(state, amax, spec, "max", sharding, tuple(shard.shape))
     want, want_new = quantize_delayed(shard, spec, state, sharding=sharding)
     return (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
@@ -104,12 +104,12 @@ def _kernel_delayed_cast_is_quantize_delayed(shard, x, sharding) -> bool:
 
 
 def _kernel_cast_is_quantize(shard, spec, sharding) -> bool:
-    """``_cast`` through the kernel dispatch (its twins on the CPU: amax, mesh reduction, cast with
+    """``cast`` through the kernel dispatch (its twins on the CPU: amax, mesh reduction, cast with
     the reduced scale; FSDP2's pre-all-gather and the TP sequence gather use it) is ``quantize``."""
     import fp8func._casts as casts_mod
 
     tensorwise = isinstance(spec.granularity, f8.TensorWise)
-    q, q_t = casts_mod._cast(shard, spec, transpose=tensorwise, sharding=(sharding,), kernels="reference")
+    q, q_t = casts_mod.cast(shard, spec, transpose=tensorwise, sharding=(sharding,), kernels="reference")
     want = f8.quantize(shard, spec, sharding=sharding)
     same = (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
             and q.meta == want.meta)
@@ -244,8 +244,8 @@ def _dtensor_casts(rank, world_size):
         for gran in (f8.TensorWise(), f8.AxisWise(-1)):
             spec = f8.CastSpec(granularity=gran)
             transpose = isinstance(gran, f8.TensorWise)
-            ours = run("reference", lambda mode: casts_mod._cast(d, spec, transpose, kernels=mode))
-            plain = run("off", lambda mode: casts_mod._cast(d, spec, transpose, kernels=mode))
+            ours = run("reference", lambda mode: casts_mod.cast(d, spec, transpose, kernels=mode))
+            plain = run("off", lambda mode: casts_mod.cast(d, spec, transpose, kernels=mode))
             for a, b in zip(ours, plain):
                 if a is None:
                     continue

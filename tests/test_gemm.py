@@ -72,13 +72,13 @@ def test_operand_layouts_meet_cublaslt_alignment():
     # packed buffer has neither, and is copied (same values), while a proper layout is kept as is.
     first, second = _packed_views(32, 64)
     for view in (first, second):
-        for fix in (_gemm._row_major, _gemm._col_major):
+        for fix in (_gemm._row_major, _gemm.col_major):
             out = fix(view)
             assert out is not view and torch.equal(out.view(torch.uint8), view.view(torch.uint8))
             pitch = out.stride(0) if fix is _gemm._row_major else out.stride(1)
             assert pitch % 16 == 0 and out.storage_offset() % 16 == 0, (out.stride(), out.storage_offset())
     row = torch.zeros(32, 64, dtype=torch.uint8).view(f8.E4M3)
-    assert _gemm._row_major(row) is row and _gemm._col_major(row.t()).data_ptr() == row.data_ptr()
+    assert _gemm._row_major(row) is row and _gemm.col_major(row.t()).data_ptr() == row.data_ptr()
     assert _gemm._row_major(row.t()) is not row  # column-major: copied row-major
 
 
@@ -123,8 +123,8 @@ def test_hardware_kind_reasons():
 def test_fallback_logged_once_per_reason(caplog):
     _gemm._logged.discard("test reason")
     with caplog.at_level(logging.WARNING, logger="fp8func"):
-        _gemm._log_fallback("test reason")
-        _gemm._log_fallback("test reason")
+        _gemm.log_fallback("test reason")
+        _gemm.log_fallback("test reason")
     hits = [r for r in caplog.records if "test reason" in r.getMessage()]
     assert len(hits) == 1 and "emulated FP8 GEMM on a GPU" in hits[0].getMessage()
 

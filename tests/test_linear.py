@@ -200,7 +200,7 @@ def test_linear_through_the_kernel_twins_is_bitwise_the_plain_casts(recipe, monk
     assert len(calls) == (0 if recipe == "mxfp8" else 3), calls
     # Transposed copies: dy always (grad_weight); x in the forward where the kernels write the
     # backward's cast with the forward's (tensorwise, row-wise, 1x128 blocks); w where the backward
-    # keeps its fp8 cast anyway (tensorwise, 128x128 blocks), not row-wise (see _forward_transposes).
+    # keeps its fp8 cast anyway (tensorwise, 128x128 blocks), not row-wise (see _casts.forward_transposes).
     transposed = {"tensorwise": 3, "rowwise": 2, "blockwise": 3}.get(recipe, 0)
     assert sum(calls) == transposed, calls
     for a, b in zip(runs["off"], runs["reference"]):

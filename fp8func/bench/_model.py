@@ -205,12 +205,12 @@ def kernel_class(name: str) -> str:
 
 
 def profile_classes(step) -> dict:
-    """GPU ms per step by kernel class and host ms per step, from ``_profile._kernels``; under
+    """GPU ms per step by kernel class and host ms per step, from ``_profile.kernel_times``; under
     ``"kernels"`` the largest kernels (name, class, calls and ms per step), to check the classes."""
-    from ._profile import _kernels
+    from ._profile import kernel_times
 
     out = dict.fromkeys(KERNEL_CLASSES, 0.0)
-    rows = _kernels(step)
+    rows = kernel_times(step)
     for name, _calls, us in rows[:-1]:
         out[kernel_class(name)] += us / 1e3
     out["GPU total"] = sum(out[c] for c in KERNEL_CLASSES)

@@ -19,7 +19,7 @@ import fp8func as f8
 import fp8func.kernels as fk
 from fp8func.kernels._configs import CONFIGS, Config, override
 
-from ._quant import _graph_ms, copy_gbps, min_bytes
+from ._quant import copy_gbps, graph_ms, min_bytes
 
 C = Config
 TW = f8.CastSpec(f8.E4M3)
@@ -112,7 +112,7 @@ def sweep(iters: int = 30, routes=None) -> list[dict]:
                 try:
                     with override(route, cfg):
                         ok = _same(fn(*args[0]), want)
-                        ms = _graph_ms(fn, args, iters) if ok else float("nan")
+                        ms = graph_ms(fn, args, iters) if ok else float("nan")
                 except Exception as e:  # a config the compiler rejects (e.g. out of resources)
                     ok, ms = False, float("nan")
                     print(f"{route} {cfg}: {type(e).__name__}: {str(e)[:120]}")

@@ -78,7 +78,7 @@ def scale_of(amax, INV_MAX: tl.constexpr, POW2: tl.constexpr):
 def recip(scale):
     """The correctly rounded fp32 ``1 / scale`` (IEEE ``div.rn``; Triton's ``/`` is approximate).
 
-    Equal to ``_ops._reciprocal``'s fp64 quotient rounded to fp32: double rounding is harmless
+    Equal to ``_ops.reciprocal``'s fp64 quotient rounded to fp32: double rounding is harmless
     for a quotient when 53 >= 2 * 24 + 2.
     """
     return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
