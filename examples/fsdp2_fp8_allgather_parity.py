@@ -93,14 +93,16 @@ def main():
     for lib in args.libs.split(","):
         for mode in args.modes.split(","):
             runs = {}
-            for key, fp8_gather in (("on", True), ("off", False)) + ((("off again", False),) if lib in args.control else ()):
+            keys = (("on", True), ("off", False)) + ((("off again", False),) if lib in args.control else ())
+            for key, fp8_gather in keys:
                 torch._dynamo.reset()
                 runs[key] = train(args, mesh, device, lib, fp8_gather, mode == "compiled")
-            pairs = [("on vs off", "on", "off")] + ([("off vs off (control)", "off again", "off")] if "off again" in runs else [])
+            pairs = [("on vs off", "on", "off")]
+            pairs += [("off vs off (control)", "off again", "off")] if "off again" in runs else []
             for label, x, y in pairs:
                 first, worst = compare(runs[x], runs[y])
-                rows.append({"lib": lib, "mode": mode, "pair": label, "first_differing_step": first, "max_abs_diff": worst,
-                             "final_a": runs[x][-1], "final_b": runs[y][-1],
+                rows.append({"lib": lib, "mode": mode, "pair": label, "first_differing_step": first,
+                             "max_abs_diff": worst, "final_a": runs[x][-1], "final_b": runs[y][-1],
                              "finite": all(math.isfinite(v) for v in runs[x] + runs[y])})
                 if rank == 0:
                     print(rows[-1], flush=True)

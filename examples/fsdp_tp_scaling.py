@@ -286,8 +286,11 @@ def build_llama(args, device: torch.device):
 
 def torchao_sp_plans() -> tuple[dict, dict]:
     """``sp_plans``'s layout with torchao's float8 styles (its activations travel in float8)."""
-    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
-                                                       PrepareFloat8ModuleInput)
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
 
     col, row = Float8ColwiseParallel, Float8RowwiseParallel
     model_plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -551,8 +554,8 @@ def table_line(r: dict, bf16_tok: float | None, compiled: bool) -> str:
     peak = "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
     calls = ", ".join(f"{k} {v:g}" for k, v in (r["collective_calls"] or {}).items()) or "n/a"
     breaks = f"{r['graph_breaks']} ({r['graphs']} graphs)" if compiled else "- (eager)"
-    return (f"| {r['config']} | {gather} | {r['tokens_per_s']:.0f} | {ratio} | {util} | {vs_ao} | {mib(r['gather_bytes_dp'])} / "
-            f"{mib(r['gather_bytes_tp'])} | {calls} | {breaks} | {peak} | {finite} | "
+    return (f"| {r['config']} | {gather} | {r['tokens_per_s']:.0f} | {ratio} | {util} | {vs_ao} | "
+            f"{mib(r['gather_bytes_dp'])} / {mib(r['gather_bytes_tp'])} | {calls} | {breaks} | {peak} | {finite} | "
             f"{r['loss_first']:.5f} / {r['loss_last']:.5f} | {_on_off(r)} |")
 
 
@@ -624,7 +627,8 @@ def main():
                          "(sequence parallel splits the sequence evenly)")
     device = local_device(args.device)
     mesh = init_device_mesh(args.device, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
-    recorder = FlightRecorderBytes(backend, {"dp": submesh(mesh, "dp").get_group(), "tp": submesh(mesh, "tp").get_group()})
+    groups = {"dp": submesh(mesh, "dp").get_group(), "tp": submesh(mesh, "tp").get_group()}
+    recorder = FlightRecorderBytes(backend, groups)
     prime_lazy_state(args.configs.split(","), mesh, device)
     rows = []
     for name in args.configs.split(","):
@@ -656,8 +660,9 @@ def report(args, rows, world, mesh) -> None:
     peak = peak_flops(args)
     peak_text = "n/a" if peak is None else f"{peak / 1e12:g}"
     env = environment(world, args.device) | {
-        "world size": str(world), "mesh": f"dp={submesh(mesh, 'dp').size()} x tp={submesh(mesh, 'tp').size()}", "torchao": ao,
-        "transformers": transformers.__version__, "compile": f"{args.compile} ({args.compile_backend})" if args.compile else "False",
+        "world size": str(world), "mesh": f"dp={submesh(mesh, 'dp').size()} x tp={submesh(mesh, 'tp').size()}",
+        "torchao": ao, "transformers": transformers.__version__,
+        "compile": f"{args.compile} ({args.compile_backend})" if args.compile else "False",
         "deterministic mode": args.deterministic, "activation checkpointing": args.ac,
         "peak bf16 TFLOP/s per device": peak_text}
     bf16 = next((r["tokens_per_s"] for r in rows if r["config"] == "bf16" and "tokens_per_s" in r), None)
@@ -666,11 +671,13 @@ def report(args, rows, world, mesh) -> None:
                    f"{args.steps} steps ({args.warmup} warm-up), {args.attn} attention, fp32 master + bf16 "
                    f"MixedPrecisionPolicy, AdamW lr {args.lr}, FSDP2 over dp x sequence-parallel TP over tp, "
                    f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'} in the FP8 configs, tensorwise weight "
-                   f"scales {'precomputed after each optimizer step' if args.precompute_scales else 'in the FSDP2 hook'}. "
+                   "scales "
+                   f"{'precomputed after each optimizer step' if args.precompute_scales else 'in the FSDP2 hook'}. "
                    f"Activation checkpointing per decoder layer: {AC_DESCRIPTION[args.ac]}. "
                    f"MFU: {flops_per_token(args) / 1e9:.3g} GFLOP per token (6 x matmul weights + 12 x layers x "
                    f"hidden x seq) x tokens/s over {world} x the peak dense bf16 FLOP/s "
-                   f"({peak_text + ' TFLOP/s' if peak else 'n/a: the CPU or an unlisted GPU; --peak-tflops gives it'}). "
+                   f"({peak_text + ' TFLOP/s' if peak else 'n/a: the CPU or an unlisted GPU; --peak-tflops gives it'})"
+                   ". "
                    f"vs torchao: tokens/s over the torchao row of the same recipe; torchao-rowwise runs the stock TP "
                    f"styles and all-gathers bf16 weights (torchao's float8 TP styles and FSDP2 float8 all-gather "
                    f"are tensorwise only). "

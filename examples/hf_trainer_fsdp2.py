@@ -47,8 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fp8func as f8  # noqa: E402
 import fp8func.hf  # noqa: E402,F401
-from fp8func.demo._data import load_tokens  # noqa: E402
 from _common import add_model_args, build_qwen3, model_line  # noqa: E402
+from fp8func.demo._data import load_tokens  # noqa: E402
 
 CPU_DEFAULTS = dict(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=4, seq=64, batch=2, steps=8, lr=3e-3)
 
@@ -179,7 +179,8 @@ def main(argv=None) -> None:
         with _shared_tmpdir() as tmp:
             results[fp8_all_gather] = r = run(args, fp8_all_gather, args.output_dir or tmp)
         for i, (loss, norm) in enumerate(zip(r["loss"], r["grad_norm"])):
-            say(f"step {i + 1:4d}  loss {loss:.6f}  grad_norm {norm:.6f}  (fp8 all-gather {'on' if fp8_all_gather else 'off'})")
+            say(f"step {i + 1:4d}  loss {loss:.6f}  grad_norm {norm:.6f}  "
+                f"(fp8 all-gather {'on' if fp8_all_gather else 'off'})")
         say(f"{r['fp8_gathers']} fp8 all-gathers" + (f"; resumed at step {args.resume_at}: losses bitwise the "
                                                      "uninterrupted run's" if args.resume_at else ""))
     if args.compare:

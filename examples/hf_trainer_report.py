@@ -54,8 +54,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fp8func as f8  # noqa: E402
 import fp8func.hf  # noqa: E402,F401
-from fp8func.demo._data import load_tokens  # noqa: E402
 from _common import add_model_args, config_kwargs, model_line  # noqa: E402
+from fp8func.demo._data import load_tokens  # noqa: E402
 
 REPORT_FSDP_CONFIG = {
     "fsdp_version": 2,
@@ -322,8 +322,9 @@ def main(argv=None) -> None:
         dist.all_gather_object(waits, r["profile"].get("waits"))
         for rk, w in enumerate(waits):
             if w:
-                say(f"    rank {rk}: {w['compute_kernels']:.0f} compute kernels/step, GPU busy {w['compute_busy_ms']:.1f} "
-                    f"ms/step, idle waiting for the host {w['idle_host_ms']:.1f}, for a collective "
+                say(f"    rank {rk}: {w['compute_kernels']:.0f} compute kernels/step, "
+                    f"GPU busy {w['compute_busy_ms']:.1f} ms/step, "
+                    f"idle waiting for the host {w['idle_host_ms']:.1f}, for a collective "
                     f"{w['idle_dependency_ms']:.1f} (profiled step {w['span_ms']:.1f} ms)")
     if len(results) == 2:
         same = results["on"]["bitwise_off"]

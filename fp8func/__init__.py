@@ -1,8 +1,7 @@
 """fp8func: FP8 training for PyTorch as pure functions over explicit pytrees.
 
-Layers (each imports only from those above it): formats → scaling → sharding → qtensor → ops →
-gemm → plan → casts → autograd; the stateful shell (nn, distributed) and the Triton kernels
-come on top.
+The modules form a stack of layers, each importing only from the layers below it; docs/design.md
+states their order.
 
 Example:
     >>> import torch, fp8func as f8

@@ -26,16 +26,15 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._casts import _cast, _cast_delayed, _forward_transposes, activation_casts, takes_x_copy, weight_casts
+from ._casts import activation_casts, cast, cast_delayed, forward_transposes, takes_x_copy, weight_casts
 from ._delayed import LinearScalingState, ScalingState, consume, record_merged, record_merged_packed
 from ._formats import tracing
 from ._gathered import casts_only, gathered_casts
 from ._gemm import gemm
 from ._plan import LinearPlan, operand, plan, transposed, untileable
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import CastSpec, Recipe
+from ._scaling import CastSpec, Recipe, TensorWise
 from ._sharding import Sharding, reduce_amax
-from ._scaling import TensorWise
 
 __all__ = ["linear", "linear_delayed", "fp8_linear"]
 
@@ -103,8 +102,8 @@ def _cast_operand(t, spec: CastSpec, given: dict, name: str, state, transpose: b
     if given:
         return _given(given[name], spec, t.dtype), None, None
     if state is not None:
-        return _cast_delayed(t, spec, state.scale, transpose=transpose, kernels=p.kernels)
-    q, q_t = _cast(t, spec, transpose=transpose, kernels=p.kernels, fuse_amax=name == "x")
+        return cast_delayed(t, spec, state.scale, transpose=transpose, kernels=p.kernels)
+    q, q_t = cast(t, spec, transpose=transpose, kernels=p.kernels, fuse_amax=name == "x")
     return q, q_t, None
 
 
@@ -242,7 +241,7 @@ def _operand_for_backward(kind: str, saved: tuple, casts, dtype, qdy) -> Fp8Tens
     if kind == "given":
         return Fp8Tensor(_given_in_backward(a, qdy.scale) if qdy is not None else a, b, Fp8Meta(spec, dtype, None))
     t = a.reshape(-1, a.shape[-1])
-    return _cast(t.t(), casts.second)[0].t()  # cast along the other axis: quantize t.T, view it back
+    return cast(t.t(), casts.second)[0].t()  # cast along the other axis: quantize t.T, view it back
 
 
 def _grad_output(dy, ctx) -> tuple[torch.Tensor, dict | None]:
@@ -263,12 +262,12 @@ def _cast_grad_output(dy2, given, state, want_first: bool, want_second: bool, p:
     if not (want_first or want_second):
         return None, None, None
     if state is not None:
-        qdy, qdy_t, amax = _cast_delayed(dy2, casts.first, state[1], transpose=want_second, kernels=p.kernels)
+        qdy, qdy_t, amax = cast_delayed(dy2, casts.first, state[1], transpose=want_second, kernels=p.kernels)
         return qdy, qdy_t, amax
     if casts.first == casts.second:  # one call, one amax: [M, N] along N and [N, M] along M
-        return _cast(dy2, casts.first, transpose=want_second, kernels=p.kernels, fuse_amax=True)[:2] + (None,)
-    qdy = _cast(dy2, casts.first, kernels=p.kernels)[0] if want_first else None
-    qdy_t = _cast(dy2.t(), casts.second, kernels=p.kernels)[0] if want_second else None
+        return cast(dy2, casts.first, transpose=want_second, kernels=p.kernels, fuse_amax=True)[:2] + (None,)
+    qdy = cast(dy2, casts.first, kernels=p.kernels)[0] if want_first else None
+    qdy_t = cast(dy2.t(), casts.second, kernels=p.kernels)[0] if want_second else None
     return qdy, qdy_t, None
 
 
@@ -480,7 +479,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         _check_state(state, p, x, weight)
         states = tuple(t for st in state for t in st)
     layout = _Layout(w_names, x_names, state is not None, packed_len,
-                     _forward_transposes(x, weight, p, bool(x_names), bool(w_names)),
+                     forward_transposes(x, weight, p, bool(x_names), bool(w_names)),
                      amax_sharding if state is not None else None, x_inside)
     out = _LinearFn.apply(x, weight, bias, p, layout, *w_leaves, *x_leaves, *states)
     if state is None:

@@ -1,10 +1,10 @@
 """The casts a linear layer makes, and which of them run the fused kernels of ``fp8func.kernels``.
 
-``_cast`` is ``quantize`` (and, with ``transpose``, the operand's transposed cast) through the
-Triton kernels where they apply, bitwise either way; ``_cast_delayed`` the same with a given
+``cast`` is ``quantize`` (and, with ``transpose``, the operand's transposed cast) through the
+Triton kernels where they apply, bitwise either way; ``cast_delayed`` the same with a given
 scale and the amax recorded; ``weight_casts`` / ``activation_casts`` / ``grad_output_casts``
 name the casts a plan consumes (what FSDP2's fp8 all-gather and the FP8 sequence gathers make
-ahead of the layer); ``_forward_transposes`` says which transposed copies the forward writes
+ahead of the layer); ``forward_transposes`` says which transposed copies the forward writes
 for the backward. Every decision reads the layer's ``LinearPlan``.
 """
 
@@ -17,8 +17,17 @@ from ._formats import tracing
 from ._ops import quantize, quantize_with_scale
 from ._plan import LinearPlan, operand, plan, transposed
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import (AxisWise, BlockWise, CastSpec, Recipe, TensorWise, compute_amax, compute_scale,
-                       raw_block_lengths, scale_shape)
+from ._scaling import (
+    AxisWise,
+    BlockWise,
+    CastSpec,
+    Recipe,
+    TensorWise,
+    compute_amax,
+    compute_scale,
+    raw_block_lengths,
+    scale_shape,
+)
 from ._sharding import Sharding, reduce_amax
 
 __all__ = ["activation_casts", "grad_output_casts", "input_casts", "weight_casts"]
@@ -53,11 +62,11 @@ def _kernel_impl(kernels: str) -> str:
     return "reference" if kernels == "reference" else "auto"
 
 
-def _use_kernels(t: torch.Tensor, spec: CastSpec, kernels: str = "auto") -> bool:
+def use_kernels(t: torch.Tensor, spec: CastSpec, kernels: str = "auto") -> bool:
     return _has_kernel(spec.granularity) and _kernel_tensor(t, kernels)
 
 
-def _amax(t: torch.Tensor, granularity, kernels: str = "auto") -> torch.Tensor:
+def amax_for_cast(t: torch.Tensor, granularity, kernels: str = "auto") -> torch.Tensor:
     """``compute_amax(t, granularity)``, by the amax kernel where one applies (tensorwise, per
     row or per column of a contiguous 2-D bf16 / fp32 tensor): the same bits."""
     rows_or_cols = isinstance(granularity, AxisWise) and granularity.axis in (-2, -1, 0, 1)
@@ -68,10 +77,11 @@ def _amax(t: torch.Tensor, granularity, kernels: str = "auto") -> torch.Tensor:
     return compute_amax(t, granularity)
 
 
-def _scale(t: torch.Tensor, spec: CastSpec, sharding: tuple[Sharding, ...] = (), kernels: str = "auto") -> torch.Tensor:
+def scale_for_cast(t: torch.Tensor, spec: CastSpec, sharding: tuple[Sharding, ...] = (),
+                   kernels: str = "auto") -> torch.Tensor:
     """The scales ``quantize(t, spec, sharding=...)`` casts local shard ``t`` with: its amax
     (the kernel where one applies) reduced over the mesh dims that split a scale group."""
-    amax = _amax(t, spec.granularity, kernels)
+    amax = amax_for_cast(t, spec.granularity, kernels)
     for sh in sharding:
         amax = reduce_amax(amax, sh.mesh, sh.amax_mesh_dims(spec.granularity, tuple(t.shape)))
     return compute_scale(amax, spec.dtype, spec.pow2_scales)
@@ -90,18 +100,18 @@ def _dtensor_kernels(t, spec: CastSpec, transpose: bool, kernels: str) -> bool:
         return False
     if not all(isinstance(p, (Shard, Replicate)) for p in t.placements):
         return False
-    return _use_kernels(t.to_local(), spec, kernels)
+    return use_kernels(t.to_local(), spec, kernels)
 
 
 def _cast_dtensor(t, spec: CastSpec, transpose: bool, kernels: str) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-    """``_cast`` of a DTensor: its local shard through the kernels with the amax reduced over the
+    """``cast`` of a DTensor: its local shard through the kernels with the amax reduced over the
     mesh dims that split a scale group, rewrapped with the placements ``quantize`` gives (data as
     ``t``; a scale split like the data where its groups lie within shards, else replicated)."""
     from torch.distributed.tensor import DTensor
 
     local, mesh = t.to_local(), t.device_mesh
     sharding = Sharding(mesh, tuple(t.placements))  # amax_mesh_dims raises for a block straddling shards
-    q, q_t = _cast(local, spec, transpose, sharding=(sharding,), kernels=kernels)
+    q, q_t = cast(local, spec, transpose, sharding=(sharding,), kernels=kernels)
 
     def wrap(x: torch.Tensor, placements, shape) -> DTensor:
         shape = tuple(shape)
@@ -120,7 +130,7 @@ def _cast_dtensor(t, spec: CastSpec, transpose: bool, kernels: str) -> tuple[Fp8
     return out, out_t
 
 
-def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False, sharding: tuple[Sharding, ...] = (),
+def cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False, sharding: tuple[Sharding, ...] = (),
           kernels: str = "auto", fuse_amax: bool = False) -> tuple[Fp8Tensor, Fp8Tensor | None]:
     """``quantize(t, spec, sharding=sharding)`` and, with ``transpose``, ``quantize(t.T, spec)``
     (a row-major ``[K, M]`` payload), by the fused kernels where they apply: one amax for both
@@ -133,14 +143,14 @@ def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False, sharding: tu
         return _cast_dtensor(t, spec, transpose, kernels)
     mesh_dims = [(sh, sh.amax_mesh_dims(spec.granularity, tuple(t.shape))) for sh in sharding]
     reduced = any(dims for _, dims in mesh_dims)
-    if _use_kernels(t, spec, kernels) and not (reduced and transpose and not _transpose_invariant(spec)):
+    if use_kernels(t, spec, kernels) and not (reduced and transpose and not _transpose_invariant(spec)):
         from . import kernels as kernel_ops
 
         impl = _kernel_impl(kernels)
         if not reduced:
             q, q_t = kernel_ops.quantize(t, spec, transpose=transpose, impl=impl, fuse_amax=fuse_amax)
         else:
-            scale = _scale(t, spec, sharding, kernels)
+            scale = scale_for_cast(t, spec, sharding, kernels)
             data, data_t = kernel_ops.cast(t, scale, spec, transpose=transpose, impl=impl)
             meta = Fp8Meta(spec, t.dtype, None)
             q = Fp8Tensor(data, scale, meta)
@@ -159,17 +169,17 @@ def _cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False, sharding: tu
     return q, quantize(t.t(), spec, sharding=tuple(sh.transpose(2, 0, 1) for sh in sharding) or None)
 
 
-def _cast_with_scale(t: torch.Tensor, scale: torch.Tensor, spec: CastSpec,
+def cast_with_scale(t: torch.Tensor, scale: torch.Tensor, spec: CastSpec,
                      sharding: tuple[Sharding, ...] = (), kernels: str = "auto",
                      round_to: torch.dtype | None = None) -> Fp8Tensor:
     """``quantize_with_scale(t.to(round_to), scale, spec)`` (e.g. a precomputed, mesh-reduced
     scale), by the fused cast kernel where it applies; fp32 ``t`` rounded to bf16 in the kernel's
     one read (no bf16 copy written)."""
     if round_to is not None and t.dtype != round_to and not (
-            t.dtype == torch.float32 and round_to == torch.bfloat16 and _use_kernels(t, spec, kernels)):
+            t.dtype == torch.float32 and round_to == torch.bfloat16 and use_kernels(t, spec, kernels)):
         t, round_to = t.to(round_to), None
     meta = Fp8Meta(spec, round_to or t.dtype, sharding[0] if len(sharding) == 1 else None)
-    if _use_kernels(t, spec, kernels):
+    if use_kernels(t, spec, kernels):
         from . import kernels as kernel_ops
 
         data, _ = kernel_ops.cast(t, scale, spec, round_to=round_to, impl=_kernel_impl(kernels))
@@ -177,7 +187,7 @@ def _cast_with_scale(t: torch.Tensor, scale: torch.Tensor, spec: CastSpec,
     return quantize_with_scale(t, scale, spec, sharding=sharding[0] if len(sharding) == 1 else None)
 
 
-def _cast_delayed(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor, transpose: bool = False,
+def cast_delayed(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor, transpose: bool = False,
                   kernels: str = "auto") -> tuple[Fp8Tensor, Fp8Tensor | None, torch.Tensor]:
     """A delayed-scaling cast of 2-D ``t`` with the state's ``scale (1, 1)``: ``(q, q_t, amax)``,
     ``q_t`` the transposed copy with the same scale (a row-major ``[K, M]`` payload) when asked,
@@ -188,7 +198,7 @@ def _cast_delayed(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor, transpos
     NaN, so a GEMM that reads this cast shows the fault as the dynamic recipes do: a cast with a
     finite scale would saturate an inf to fp8_max and hide it.
     """
-    if _use_kernels(t, spec, kernels):
+    if use_kernels(t, spec, kernels):
         from . import kernels as kernel_ops
 
         data, data_t, amax = kernel_ops.cast_amax(t, scale, spec, transpose=transpose, impl=_kernel_impl(kernels))
@@ -270,9 +280,9 @@ def input_casts(x: torch.Tensor, recipe: Recipe | LinearPlan | str, *,
     rows = x.detach().reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and weight_requires_grad and _writes_x_copy(x, p):
         # the forward's cast and its transposed copy, from one pass (the second cast is not needed)
-        q, q_t = _cast(rows, operand(p, "x").first, transpose=True, kernels=p.kernels)
+        q, q_t = cast(rows, operand(p, "x").first, transpose=True, kernels=p.kernels)
         return {"x": q, "x.T": q_t}
-    return {name: _cast(rows, spec, kernels=p.kernels)[0] for name, spec in specs}
+    return {name: cast(rows, spec, kernels=p.kernels)[0] for name, spec in specs}
 
 
 def takes_x_copy(p: LinearPlan) -> bool:
@@ -285,11 +295,11 @@ def takes_x_copy(p: LinearPlan) -> bool:
 def _writes_x_copy(x: torch.Tensor, p: LinearPlan) -> bool:
     """Whether a cast of the input ``x`` writes that transposed copy in the same pass: the plan
     takes one and the fused kernels cast ``x``."""
-    return takes_x_copy(p) and _use_kernels(x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x,
+    return takes_x_copy(p) and use_kernels(x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x,
                                             operand(p, "x").first, p.kernels)
 
 
-def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, p: LinearPlan, x_given: bool, w_given: bool):
+def forward_transposes(x: torch.Tensor, weight: torch.Tensor, p: LinearPlan, x_given: bool, w_given: bool):
     """(x, w): whether the forward writes the operand's transposed fp8 copy for the backward.
 
     Only for casts that go through the fused kernels, which write both copies from the same
@@ -312,5 +322,5 @@ def _forward_transposes(x: torch.Tensor, weight: torch.Tensor, p: LinearPlan, x_
     if weight.requires_grad and not x_given:
         want_x = _writes_x_copy(x, p)
     if x.requires_grad and not w_given and ws.reuses and ws.second == ws.first:
-        want_w = _use_kernels(weight, ws.first, p.kernels)
+        want_w = use_kernels(weight, ws.first, p.kernels)
     return bool(want_x), bool(want_w)

@@ -35,7 +35,7 @@ def gather_sizes(local: int, mesh: DeviceMesh, mesh_dim: int) -> list[int]:
     return [int(s) for s in funcol.wait_tensor(_all_gather(t, (mesh, mesh_dim))).tolist()]
 
 
-def _gather_padded(t: torch.Tensor, dim: int, sizes: list[int], mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+def gather_padded(t: torch.Tensor, dim: int, sizes: list[int], mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """All-gather ``t`` along ``dim`` where rank r holds ``sizes[r]`` rows: pad, gather, trim. A
     one-rank mesh dim runs no collective: its gather is ``t`` itself."""
     if mesh.size(mesh_dim) == 1:
@@ -86,13 +86,13 @@ def all_gather(
         )
     if sizes is None:
         sizes = gather_sizes(q.shape[dim], mesh, mesh_dim)
-    data = _gather_padded(q.data.view(torch.uint8), dim, sizes, mesh, mesh_dim).view(q.dtype)
+    data = gather_padded(q.data.view(torch.uint8), dim, sizes, mesh, mesh_dim).view(q.dtype)
     if b is None:
         scale = q.scale
     else:
         if any(s % b for s in sizes):
             raise ValueError(f"all_gather: shard sizes {sizes} along dim {dim} are not multiples of block {b}.")
-        scale = _gather_padded(q.scale, dim, [s // b for s in sizes], mesh, mesh_dim)
+        scale = gather_padded(q.scale, dim, [s // b for s in sizes], mesh, mesh_dim)
     meta = dataclasses.replace(q.meta, sharding=_gathered(sharding, mesh, mesh_dim))
     return Fp8Tensor(data, scale, meta)
 

@@ -21,16 +21,15 @@ linear_delayed(x2, w, ..., s)``) records the max of their amaxes as one history 
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
-import weakref
-
-from ._ops import _check_hp, quantize_with_scale
-from ._qtensor import Fp8Tensor
 from ._formats import fp8_max, round_up_to_pow2
+from ._ops import check_hp, quantize_with_scale
+from ._qtensor import Fp8Tensor
 from ._scaling import AMAX_ALGOS, EPS, CastSpec, TensorWise, compute_amax, compute_scale
 from ._sharding import Sharding, reduce_amax
 
@@ -117,7 +116,7 @@ def quantize_delayed(
     With ``sharding`` (``x`` a local shard) the recorded amax is the mesh-wide one, so every
     shard's state stays identical.
     """
-    _check_hp(x, "quantize")
+    check_hp(x, "quantize")
     _check_state(state, spec)
     if algo not in AMAX_ALGOS:
         raise ValueError(f"quantize(algo={algo!r}): expected one of {AMAX_ALGOS}.")
@@ -229,7 +228,8 @@ def consume(state: "LinearScalingState", what: str) -> None:
             "The next step's state is the gradient of the first call's state input (torch.func.grad over it, or "
             "its .grad); a state made that way is fresh."
         )
-    _CONSUMED[id(key)] = weakref.ref(key, lambda _, k=id(key): _CONSUMED.pop(k, None))
+    k = id(key)
+    _CONSUMED[k] = weakref.ref(key, lambda _: _CONSUMED.pop(k, None))
 
 
 def refresh(state: "LinearScalingState") -> None:

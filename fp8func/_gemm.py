@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ._formats import E4M3, E5M2, tracing
 from ._ops import dequantize
 from ._qtensor import Fp8Tensor
-from ._scaling import MX, AxisWise, BlockWise, TensorWise, _norm_axis
+from ._scaling import MX, AxisWise, BlockWise, TensorWise, norm_axis
 
 __all__ = ["gemm", "gemm_path", "hardware_kind"]
 
@@ -35,7 +35,7 @@ _logged: set[str] = set()
 def _canonical(g, ndim: int = 2):
     """Granularity with axes made non-negative, blocks spelled out on 2 dims."""
     if isinstance(g, AxisWise):
-        return AxisWise(_norm_axis(g.axis, ndim, g))
+        return AxisWise(norm_axis(g.axis, ndim, g))
     if isinstance(g, BlockWise):
         return BlockWise((1,) * (ndim - len(g.block)) + g.block)
     return g
@@ -91,7 +91,7 @@ def _device_supports(kind: str, device: torch.device) -> tuple[bool, str]:
 
 
 @torch._dynamo.assume_constant_result
-def _log_fallback(reason: str) -> bool:
+def log_fallback(reason: str) -> bool:
     # Runs eagerly even under torch.compile (its result is a trace-time constant), so the log
     # line is emitted once per reason per process, compiled or not.
     if reason not in _logged:
@@ -121,7 +121,7 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, path: str = "auto") -> str:
     if a.device.type == "cpu":
         return "emulated"  # the CPU scaled_mm is itself an emulation; the fp32 path is the reference
     if not ok:
-        _log_fallback(why)
+        log_fallback(why)
         return "emulated"
     return f"scaled_mm_{kind}"
 
@@ -158,7 +158,7 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 and _aligned(t, t.stride(-2) if t.ndim > 1 else 0) else t.contiguous()
 
 
-def _col_major(t: torch.Tensor) -> torch.Tensor:
+def col_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` (2-D) column-major with a 16-byte aligned start and column pitch: itself where it is, else a copy."""
     return t if t.ndim == 2 and t.stride(0) == 1 and _aligned(t, t.stride(1)) else t.t().contiguous().t()
 
@@ -191,7 +191,7 @@ def _scaled_mm(kind: str, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, fa
             # rules); an opaque custom op with a fake implementation keeps fullgraph=True working.
             return _blockwise_scaled_mm_op(a.data, b.data, a.scale, b.scale, b_128x128, out_dtype)
         return _blockwise_scaled_mm(a.data, b.data, a.scale, b.scale, b_128x128, out_dtype)
-    da, db = _row_major(a.data), _col_major(b.data)
+    da, db = _row_major(a.data), col_major(b.data)
     if kind == "tensorwise":
         return torch._scaled_mm(da, db, scale_a=a.scale.reshape(()), scale_b=b.scale.reshape(()),
                                 out_dtype=out_dtype, use_fast_accum=fast_accum)
@@ -212,7 +212,7 @@ def _blockwise_scaled_mm(da: torch.Tensor, db: torch.Tensor, sa: torch.Tensor, s
     multiple of 4; (128, 1) b scales [K/128, N] given as [N, K/128] with N contiguous.
     """
     S = F.ScalingType
-    da, db, sa = _row_major(da), _col_major(db), _col_major(sa)
+    da, db, sa = _row_major(da), col_major(db), col_major(sa)
     if b_128x128:
         sb, recipe_b = _pad_k_blocks(sb), S.BlockWise128x128
     else:
@@ -239,7 +239,7 @@ def _pad_k_blocks(scale: torch.Tensor) -> torch.Tensor:
     kb, nb = scale.shape
     kb_pad = (kb + 3) // 4 * 4
     if kb_pad == kb:
-        return _col_major(scale)
+        return col_major(scale)
     padded = scale.new_ones((nb, kb_pad)).t()  # K-major storage, as cuBLASLt's layout wants
     padded[:kb] = scale
     return padded
@@ -276,7 +276,7 @@ def gemm(
         # Canonical layouts (a row-major, b column-major, as scaled_mm takes them), so the result
         # depends on the values alone, not on how a caller happened to lay them out.
         a_hp = dequantize(a, torch.float32).contiguous()
-        b_hp = _col_major(dequantize(b, torch.float32))
+        b_hp = col_major(dequantize(b, torch.float32))
         y = (a_hp @ b_hp).to(out_dtype)
     else:
         y = _scaled_mm(chosen.removeprefix("scaled_mm_"), a, b, out_dtype, fast_accum)
@@ -297,7 +297,8 @@ def _local(q: Fp8Tensor) -> tuple[Fp8Tensor, tuple]:
     return Fp8Tensor(data.to_local(), scale.to_local(), q.meta), tuple(data.placements)
 
 
-def _gemm_sharded(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, path: str, fast_accum: bool = False) -> torch.Tensor:
+def _gemm_sharded(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, path: str,
+                  fast_accum: bool = False) -> torch.Tensor:
     """``gemm`` of DTensor operands: the local GEMM on each rank's shards, placed explicitly.
 
     Per mesh dim: (Replicate, Replicate) -> Replicate; (Shard(0), Replicate) -> Shard(0);

@@ -29,8 +29,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._formats import E4M3, saturate_cast, tracing
-from ._gemm import _col_major, _log_fallback
-from ._ops import _reciprocal, dequantize, quantize
+from ._gemm import col_major, log_fallback
+from ._ops import dequantize, quantize, reciprocal
 from ._qtensor import Fp8Meta, Fp8Tensor
 from ._scaling import AxisWise, CastSpec, Recipe, compute_scale
 
@@ -170,7 +170,7 @@ def quantize_jagged(x: torch.Tensor, offs: torch.Tensor, spec: CastSpec, dim: in
     # an empty group's amax is 0, hence the EPS scale
     amax = _segment_amax(xt, offs)
     scale = compute_scale(amax, spec.dtype, spec.pow2_scales)  # [E, C]
-    data = saturate_cast(xt.float() * _reciprocal(scale)[gid], spec.dtype)
+    data = saturate_cast(xt.float() * reciprocal(scale)[gid], spec.dtype)
     meta = Fp8Meta(spec.with_granularity(AxisWise(dim)), x.dtype, None)
     return JaggedFp8Tensor(data.movedim(0, dim), scale.movedim(0, dim), meta, dim)
 
@@ -282,7 +282,7 @@ def grouped_gemm_path(a, b, path: str = "auto") -> str:
     if path == "auto" and a.device.type == "cpu":
         return "emulated"
     if why:
-        _log_fallback(why)
+        log_fallback(why)
         return "emulated"
     return "scaled_grouped_mm"
 
@@ -295,7 +295,7 @@ def _scaled_grouped_mm(kind: str, a, b, offs: torch.Tensor, out_dtype: torch.dty
         db = b.data if b.data.stride(-2) == 1 else b.data.transpose(-2, -1).contiguous().transpose(-2, -1)
     else:  # a [N, M] with scales [N, E]; b [M, K] with [E, K]: both given group-major, [E*N] and [E*K]
         sa, sb = a.scale.t().contiguous().reshape(-1), b.scale.contiguous().reshape(-1)
-        db = _col_major(b.data)
+        db = col_major(b.data)
     # Only bf16 output exists (CUTLASS row-wise grouped kernel); the cast is the one extra rounding.
     y = torch._scaled_grouped_mm(a.data.contiguous(), db, sa, sb, offs=offs, out_dtype=torch.bfloat16,
                                  use_fast_accum=fast_accum)

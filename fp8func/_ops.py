@@ -16,7 +16,6 @@ from torch.distributed.tensor import DTensor
 
 from ._formats import saturate_cast
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._sharding import Sharding, check_blocks_within_shards, reduce_amax
 from ._scaling import (
     CastSpec,
     block_lengths,
@@ -27,11 +26,12 @@ from ._scaling import (
     scale_shape,
     split_groups,
 )
+from ._sharding import Sharding, check_blocks_within_shards, reduce_amax
 
 __all__ = ["quantize", "quantize_with_scale", "dequantize", "fake_quantize"]
 
 
-def _check_hp(x: torch.Tensor, what: str) -> None:
+def check_hp(x: torch.Tensor, what: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}.")
     if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -68,7 +68,7 @@ def _check_finite(x: torch.Tensor) -> None:
         )
 
 
-def _apply_scale(x: torch.Tensor, factor: torch.Tensor, blocks) -> torch.Tensor:
+def apply_scale(x: torch.Tensor, factor: torch.Tensor, blocks) -> torch.Tensor:
     """``x * factor`` with ``factor`` broadcast over its groups, in fp32."""
     x = x.float()
     if all(b is None or b == 1 for b in blocks):
@@ -76,7 +76,7 @@ def _apply_scale(x: torch.Tensor, factor: torch.Tensor, blocks) -> torch.Tensor:
     return merge_groups(split_groups(x, blocks) * expand_scale(factor))
 
 
-def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
     """The correctly rounded fp32 ``1 / scale``, on every backend.
 
     Computed in fp64 and rounded to fp32: double rounding is harmless for a quotient when the
@@ -94,7 +94,7 @@ def quantize_with_scale(
 
     ``data = saturate(x * (1 / scale))``; see ``fp8func._scaling`` for why the reciprocal.
     """
-    _check_hp(x, "quantize_with_scale")
+    check_hp(x, "quantize_with_scale")
     blocks = block_lengths(spec.granularity, tuple(x.shape))
     want = scale_shape(spec.granularity, tuple(x.shape))
     if tuple(scale.shape) != want or scale.dtype != torch.float32:
@@ -102,7 +102,7 @@ def quantize_with_scale(
             f"quantize_with_scale: scale has shape {tuple(scale.shape)} and dtype {scale.dtype}; "
             f"{spec.granularity!r} on shape {tuple(x.shape)} needs float32 scales of shape {want}."
         )
-    data = saturate_cast(_apply_scale(x.detach(), _reciprocal(scale.detach()), blocks), spec.dtype)
+    data = saturate_cast(apply_scale(x.detach(), reciprocal(scale.detach()), blocks), spec.dtype)
     return Fp8Tensor(data, scale.detach(), Fp8Meta(spec, x.dtype, sharding))
 
 
@@ -137,7 +137,7 @@ def quantize(
         tensor([[  1.,  -2.],
                 [  0.5, 448.]])
     """
-    _check_hp(x, "quantize")
+    check_hp(x, "quantize")
     if not isinstance(spec, CastSpec):
         raise TypeError(f"quantize: spec={spec!r} is not a CastSpec; e.g. fp8func.CastSpec(dtype=fp8func.E4M3).")
     if check_finite:
@@ -162,7 +162,7 @@ def dequantize(q: Fp8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """
     if not isinstance(q, Fp8Tensor):
         raise TypeError(f"dequantize: expected an Fp8Tensor, got {type(q).__name__}.")
-    out = _apply_scale(q.data, q.scale, q.blocks)
+    out = apply_scale(q.data, q.scale, q.blocks)
     return out.to(q.meta.orig_dtype if dtype is None else dtype)
 
 
@@ -205,7 +205,7 @@ def fake_quantize(x: torch.Tensor, spec: CastSpec) -> torch.Tensor:
         >>> bool((x.grad == 1).all())
         True
     """
-    _check_hp(x, "fake_quantize")
+    check_hp(x, "fake_quantize")
     if not isinstance(spec, CastSpec):
         raise TypeError(f"fake_quantize: spec={spec!r} is not a CastSpec; e.g. fp8func.CastSpec(dtype=fp8func.E4M3).")
     return _FakeQuantizeFn.apply(x, spec)

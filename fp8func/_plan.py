@@ -32,8 +32,22 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ._scaling import (AMAX_ALGOS, KERNEL_MODES, MX, PATHS, AxisWise, BlockWise, CastSpec, DelayedScaling, Recipe,
-                       TensorWise, _norm_axis, block_lengths, raw_block_lengths, transpose_granularity)
+from ._scaling import (
+    AMAX_ALGOS,
+    KERNEL_MODES,
+    MX,
+    PATHS,
+    AxisWise,
+    BlockWise,
+    CastSpec,
+    DelayedScaling,
+    Recipe,
+    TensorWise,
+    block_lengths,
+    norm_axis,
+    raw_block_lengths,
+    transpose_granularity,
+)
 
 __all__ = ["GemmPlan", "LinearPlan", "OperandCasts", "plan", "operand", "untileable", "transposed"]
 
@@ -174,9 +188,9 @@ def transposed(spec: CastSpec) -> CastSpec:
 def _canonical(g):
     """A 2-D granularity with axes made non-negative and blocks spelled out."""
     if isinstance(g, AxisWise):
-        return AxisWise(_norm_axis(g.axis, 2, g))
+        return AxisWise(norm_axis(g.axis, 2, g))
     if isinstance(g, MX):
-        return MX(g.block, _norm_axis(g.axis, 2, g))
+        return MX(g.block, norm_axis(g.axis, 2, g))
     if isinstance(g, BlockWise):
         return BlockWise((1,) * (2 - len(g.block)) + g.block)
     return g

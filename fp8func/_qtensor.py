@@ -15,8 +15,17 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._formats import FP8_DTYPES
-from ._scaling import MX, AxisWise, BlockWise, CastSpec, DelayedScaling, TensorWise, block_lengths, raw_block_lengths, \
-    transpose_granularity
+from ._scaling import (
+    MX,
+    AxisWise,
+    BlockWise,
+    CastSpec,
+    DelayedScaling,
+    TensorWise,
+    block_lengths,
+    raw_block_lengths,
+    transpose_granularity,
+)
 from ._sharding import Sharding
 
 __all__ = ["Fp8Meta", "Fp8Tensor", "trusted_fp8_tensor"]
@@ -140,7 +149,8 @@ def _check_leaves(data: torch.Tensor, scale: torch.Tensor, meta: Fp8Meta) -> Non
     spec = meta.spec
     if data.dtype not in FP8_DTYPES or data.dtype != spec.dtype:
         raise TypeError(f"Fp8Tensor: data has dtype {data.dtype}; its meta's spec casts to {spec.dtype}. Build "
-                        "Fp8Tensors with fp8func.quantize, or view raw bytes as the spec's dtype (data.view(spec.dtype)).")
+                        "Fp8Tensors with fp8func.quantize, or view raw bytes as the spec's dtype "
+                        "(data.view(spec.dtype)).")
     if scale.dtype != torch.float32 or scale.ndim != data.ndim:
         raise TypeError(f"Fp8Tensor: scale has dtype {scale.dtype} and {scale.ndim} dims; expected float32 with the "
                         f"data's {data.ndim} dims.")

@@ -114,7 +114,7 @@ Granularity = Union[TensorWise, AxisWise, BlockWise, MX]
 _GRANULARITIES = (TensorWise, AxisWise, BlockWise, MX)
 
 
-def _norm_axis(axis: int, ndim: int, owner: object) -> int:
+def norm_axis(axis: int, ndim: int, owner: object) -> int:
     # ``owner`` is formatted only when raising: repr() on the hot path would be traced by dynamo.
     if not -ndim <= axis < ndim:
         raise ValueError(f"{owner!r}: axis={axis} is out of range for a tensor with {ndim} dims.")
@@ -127,10 +127,10 @@ def raw_block_lengths(granularity: Granularity, shape: tuple[int, ...]) -> tuple
     if isinstance(granularity, TensorWise):
         return (None,) * ndim
     if isinstance(granularity, AxisWise):
-        axis = _norm_axis(granularity.axis, ndim, granularity)
+        axis = norm_axis(granularity.axis, ndim, granularity)
         return tuple(None if i == axis else 1 for i in range(ndim))
     if isinstance(granularity, MX):
-        axis = _norm_axis(granularity.axis, ndim, granularity)
+        axis = norm_axis(granularity.axis, ndim, granularity)
         return tuple(granularity.block if i == axis else 1 for i in range(ndim))
     if isinstance(granularity, BlockWise):
         if len(granularity.block) > ndim:
@@ -166,12 +166,12 @@ def scale_shape(granularity: Granularity, shape: tuple[int, ...]) -> tuple[int, 
 
 def transpose_granularity(granularity: Granularity, ndim: int, dim0: int, dim1: int) -> Granularity:
     """The granularity that describes the same groups after ``transpose(dim0, dim1)``."""
-    dim0, dim1 = _norm_axis(dim0, ndim, "transpose"), _norm_axis(dim1, ndim, "transpose")
+    dim0, dim1 = norm_axis(dim0, ndim, "transpose"), norm_axis(dim1, ndim, "transpose")
     swap = {dim0: dim1, dim1: dim0}
     if isinstance(granularity, TensorWise):
         return granularity
     if isinstance(granularity, (AxisWise, MX)):
-        axis = _norm_axis(granularity.axis, ndim, granularity)
+        axis = norm_axis(granularity.axis, ndim, granularity)
         # Constructors, not dataclasses.replace: under torch.compile replace() makes dynamo guard
         # the dataclass machinery with Python-level guards, evaluated at every call.
         axis = swap.get(axis, axis)
@@ -396,13 +396,13 @@ class Recipe:
         Keyword overrides replace fields, e.g. ``Recipe.from_name("rowwise", path="emulated")``,
         ``Recipe.from_name("delayed", delayed=DelayedScaling(history_len=32))``.
         """
-        if name not in _NAMED_RECIPES:
-            close = difflib.get_close_matches(name, _NAMED_RECIPES, n=1) if isinstance(name, str) else []
+        if name not in NAMED_RECIPES:
+            close = difflib.get_close_matches(name, NAMED_RECIPES, n=1) if isinstance(name, str) else []
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(
-                f"Recipe.from_name({name!r}): unknown recipe{hint}; expected one of {tuple(_NAMED_RECIPES)}."
+                f"Recipe.from_name({name!r}): unknown recipe{hint}; expected one of {tuple(NAMED_RECIPES)}."
             )
-        recipe = _NAMED_RECIPES[name]  # prebuilt: torch.compile reads it as a constant
+        recipe = NAMED_RECIPES[name]  # prebuilt: torch.compile reads it as a constant
         return dataclasses.replace(recipe, **overrides) if overrides else recipe
 
     @property
@@ -443,4 +443,4 @@ def _named_recipes() -> dict[str, Recipe]:
     }
 
 
-_NAMED_RECIPES = _named_recipes()
+NAMED_RECIPES = _named_recipes()

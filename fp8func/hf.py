@@ -33,16 +33,17 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
 try:
     from transformers import TrainerCallback
 except ImportError as e:  # the one line a user without the extra needs
     raise ImportError("fp8func.hf needs transformers (and accelerate for FSDP2): pip install 'fp8func[hf]' "
                       "(from a clone: pip install -e '.[hf]')") from e
 
+from ._scaling import Recipe
 from .distributed import share_scaling_state
 from .nn import Fp8Linear, convert, report
 from .nn._weights import FP8_ALL_GATHER, weight_kind
-from ._scaling import Recipe
 
 __all__ = ["Fp8Callback", "check_optimizer", "fsdp2_config", "keep_fsdp2_on_cpu"]
 

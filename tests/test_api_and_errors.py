@@ -14,7 +14,11 @@ import fp8func as f8
 
 def test_public_names_exist_as_written():
     assert f8.E4M3 is torch.float8_e4m3fn and f8.E5M2 is torch.float8_e5m2
-    f8.TensorWise(); f8.AxisWise(axis=-1); f8.BlockWise((1, 128)); f8.BlockWise((128, 128)); f8.MX(block=32)
+    f8.TensorWise()
+    f8.AxisWise(axis=-1)
+    f8.BlockWise((1, 128))
+    f8.BlockWise((128, 128))
+    f8.MX(block=32)
     spec = f8.CastSpec(dtype=f8.E4M3, granularity=f8.TensorWise(), power_of_2=False)
     assert hash(spec) == hash(f8.CastSpec())
     for name in ["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8"]:
@@ -65,7 +69,8 @@ def test_kernels_installed_as_subpackage_only():
 
 
 def test_scaling_errors():
-    with pytest.raises(ValueError, match=r"BlockWise\(block=\(128, 128\)\) does not divide a tensor of shape \(100, 256\)"):
+    with pytest.raises(ValueError,
+                       match=r"BlockWise\(block=\(128, 128\)\) does not divide a tensor of shape \(100, 256\)"):
         f8.quantize(torch.randn(100, 256), f8.CastSpec(granularity=f8.BlockWise((128, 128))))
     with pytest.raises(ValueError, match=r"has 3 block dims but the tensor of shape \(4, 4\) has only 2"):
         f8.quantize(torch.randn(4, 4), f8.CastSpec(granularity=f8.BlockWise((1, 2, 2))))

@@ -74,7 +74,9 @@ def _hp(model) -> dict[str, torch.Tensor]:
 
 
 def _same_kinds(a, b):
-    kinds = lambda m: [(n, type(p), p.requires_grad, isinstance(p, nn.Parameter)) for n, p in m.named_parameters()]
+    def kinds(m):
+        return [(n, type(p), p.requires_grad, isinstance(p, nn.Parameter)) for n, p in m.named_parameters()]
+
     assert kinds(a) == kinds(b)
 
 
@@ -192,8 +194,10 @@ def test_averaged_model_is_the_ema_of_the_weights(option):
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
     _same_kinds(ema.module, model)
     # The weights the model computes with (fp8 weights: their dequantized fp8 values, not the masters).
-    weight = lambda: model.model.layers[0].mlp.up_proj.weight.detach().clone().as_subclass(torch.Tensor) \
-        if option != "fp8_weights" else model.model.layers[0].mlp.up_proj.weight.dequantize()
+    def weight():
+        w = model.model.layers[0].mlp.up_proj.weight
+        return w.detach().clone().as_subclass(torch.Tensor) if option != "fp8_weights" else w.dequantize()
+
     values = []
     opt = torch.optim.SGD((masters or model).parameters(), lr=0.1)
     for step in range(3):  # the first update copies the weights, the next ones average

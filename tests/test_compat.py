@@ -11,8 +11,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fp8func as f8
-from fp8func.distributed import Fp8AllGatherWeight
-from fp8func.distributed import _compat
+from fp8func.distributed import Fp8AllGatherWeight, _compat
 
 from .dist_harness import run_workers
 from .models import batch, tiny_qwen3

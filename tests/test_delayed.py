@@ -118,7 +118,8 @@ def test_the_next_state_is_the_gradient_under_torch_func_and_eager_autograd():
     assert torch.equal(gw, dw)
     assert all(torch.equal(a, b) for a, b in zip(nxt.tensors(), eager.tensors()))
     # what each cast recorded: its tensor's amax, newest first, and the scale from the history's max
-    for st_, t, old in ((nxt.input, x, state.input), (nxt.weight, w, state.weight), (nxt.grad_output, dy, state.grad_output)):
+    for st_, t, old in ((nxt.input, x, state.input), (nxt.weight, w, state.weight),
+                        (nxt.grad_output, dy, state.grad_output)):
         assert st_.amax_history[0] == t.abs().max().float() and torch.equal(st_.amax_history[1:], old.amax_history[:-1])
         want = f8.compute_scale(st_.amax_history.max().reshape(1, 1), f8.E4M3 if t is not dy else f8.E5M2, False)
         assert torch.equal(st_.scale, want)

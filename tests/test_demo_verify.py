@@ -321,7 +321,8 @@ def test_demo_without_its_extra_says_which_one_before_any_work(tmp_path, capsys,
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(_train, "build_model", lambda *a, **k: pytest.fail("built a model without matplotlib"))
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
     assert main(["--out", str(tmp_path / "loss.png")]) == 1
     printed = capsys.readouterr()
     assert printed.out == "" and printed.err == (

@@ -76,7 +76,8 @@ def _two_d(rank, world_size):
         q = f8.quantize(shard, spec, sharding=sharding)
         q = f8.all_gather(f8.all_gather(q, mesh, 1, 1), mesh, 0, 0)
         want = f8.quantize(x, spec)
-        out[name] = torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
+        out[name] = (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8))
+                     and torch.equal(q.scale, want.scale))
         out[name + "_kernels"] = _kernel_cast_is_quantize(shard.contiguous(), spec, sharding)
     out["delayed_kernels"] = _kernel_delayed_cast_is_quantize_delayed(shard.contiguous(), x, f8.Sharding(
         mesh, (Shard(0), Shard(1))))
@@ -87,12 +88,12 @@ def _kernel_delayed_cast_is_quantize_delayed(shard, x, sharding) -> bool:
     """The delayed cast of a shard through ``kernels.cast_amax`` (its twin here) records the
     mesh-reduced amax: the same cast, new state and meta as ``quantize(state=..., sharding=...)``,
     and the history's newest entry is the full tensor's amax on every rank."""
-    from fp8func._casts import _cast_delayed
+    from fp8func._casts import cast_delayed
     from fp8func._delayed import ScalingState, next_state, quantize_delayed
 
     spec = f8.CastSpec()
     state = ScalingState.from_tensor(x * 0.25, spec, 4)  # saturates: x is 4x larger
-    q, q_t, amax = _cast_delayed(shard, spec, state.scale, transpose=True, kernels="reference")
+    q, q_t, amax = cast_delayed(shard, spec, state.scale, transpose=True, kernels="reference")
     new = next_state(state, amax, spec, "max", sharding, tuple(shard.shape))
     want, want_new = quantize_delayed(shard, spec, state, sharding=sharding)
     return (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
@@ -103,12 +104,12 @@ def _kernel_delayed_cast_is_quantize_delayed(shard, x, sharding) -> bool:
 
 
 def _kernel_cast_is_quantize(shard, spec, sharding) -> bool:
-    """``_cast`` through the kernel dispatch (its twins on the CPU: amax, mesh reduction, cast with
+    """``cast`` through the kernel dispatch (its twins on the CPU: amax, mesh reduction, cast with
     the reduced scale; FSDP2's pre-all-gather and the TP sequence gather use it) is ``quantize``."""
     import fp8func._casts as casts_mod
 
     tensorwise = isinstance(spec.granularity, f8.TensorWise)
-    q, q_t = casts_mod._cast(shard, spec, transpose=tensorwise, sharding=(sharding,), kernels="reference")
+    q, q_t = casts_mod.cast(shard, spec, transpose=tensorwise, sharding=(sharding,), kernels="reference")
     want = f8.quantize(shard, spec, sharding=sharding)
     same = (torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
             and q.meta == want.meta)
@@ -212,8 +213,9 @@ def test_more_sharding_errors():
 
 def _dtensor_casts(rank, world_size):
     """Eager casts of DTensors through the kernel dispatch (twins on the CPU) against DTensor ops."""
-    import fp8func._casts as casts_mod
     from torch.distributed.tensor import DTensor
+
+    import fp8func._casts as casts_mod
 
     mesh = init_device_mesh("cpu", (world_size,))
     g = torch.Generator().manual_seed(0)
@@ -242,8 +244,8 @@ def _dtensor_casts(rank, world_size):
         for gran in (f8.TensorWise(), f8.AxisWise(-1)):
             spec = f8.CastSpec(granularity=gran)
             transpose = isinstance(gran, f8.TensorWise)
-            ours = run("reference", lambda mode: casts_mod._cast(d, spec, transpose, kernels=mode))
-            plain = run("off", lambda mode: casts_mod._cast(d, spec, transpose, kernels=mode))
+            ours = run("reference", lambda mode: casts_mod.cast(d, spec, transpose, kernels=mode))
+            plain = run("off", lambda mode: casts_mod.cast(d, spec, transpose, kernels=mode))
             for a, b in zip(ours, plain):
                 if a is None:
                     continue

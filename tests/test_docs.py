@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import pathlib
 import re
-from dataclasses import dataclass
-
 import sys
 import types
+from dataclasses import dataclass
 
 import pytest
 import torch

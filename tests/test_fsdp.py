@@ -64,21 +64,21 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
     import fp8func.distributed._fsdp as fsdp_mod
 
     fresh = []  # scales the pre-all-gather hook computed (amax and its all-reduce), not reused
-    restore = {fn_name: getattr(fsdp_mod, fn_name) for fn_name in ("_cast", "_scale", "_cast_with_scale")}
-    for fn_name in ("_cast", "_scale"):
+    restore = {fn_name: getattr(fsdp_mod, fn_name) for fn_name in ("cast", "scale_for_cast", "cast_with_scale")}
+    for fn_name in ("cast", "scale_for_cast"):
         def count(*a, _orig=restore[fn_name], **k):
             fresh.append(1)
             return _orig(*a, **k)
 
         setattr(fsdp_mod, fn_name, count)
     if precompute:
-        orig = fsdp_mod._cast_with_scale
+        orig = fsdp_mod.cast_with_scale
 
         def counting(*a, **k):
             used.append(1)
             return orig(*a, **k)
 
-        fsdp_mod._cast_with_scale = counting
+        fsdp_mod.cast_with_scale = counting
     with _CountAllGather() as counter:
         for step in range(steps):
             ids, labels = batch(step, rank)
@@ -452,7 +452,8 @@ def test_precompute_amaxes_are_bitwise_the_hooks(param_dtype):
     fast, slow = shard_amaxes(shards, dtypes), shard_amaxes_reference(shards, dtypes)
     assert torch.equal(fast.view(torch.int32), slow.view(torch.int32)), (fast, slow)
     mixed = [param_dtype, torch.float32] * (len(shards) // 2) + [param_dtype] * (len(shards) % 2)
-    assert torch.equal(shard_amaxes(shards, mixed).view(torch.int32), shard_amaxes_reference(shards, mixed).view(torch.int32))
+    assert torch.equal(shard_amaxes(shards, mixed).view(torch.int32),
+                       shard_amaxes_reference(shards, mixed).view(torch.int32))
 
 
 def _kept_after_precompute(rank, world_size):
@@ -492,12 +493,12 @@ def test_precomputed_scales_are_aligned_and_keep_the_fp8_shard():
 
 def test_cast_kept_groups_are_bitwise_each_weights_cast(monkeypatch):
     """precompute_scales' casts, one kernel launch per kind of shard (``kernels.cast_many``; its
-    twin on the CPU): bitwise ``_cast_with_scale`` per weight, for fp32 masters rounded to bf16,
+    twin on the CPU): bitwise ``cast_with_scale`` per weight, for fp32 masters rounded to bf16,
     bf16 shards, fp32 kept in fp32, E4M3 and E5M2 weights."""
     import fp8func.distributed._fsdp as fsdp_mod
     from fp8func.distributed import Fp8AllGatherWeight
 
-    monkeypatch.setattr(fsdp_mod, "_use_kernels", lambda t, spec: True)  # the grouped path, on the CPU
+    monkeypatch.setattr(fsdp_mod, "use_kernels", lambda t, spec: True)  # the grouped path, on the CPU
     g = torch.Generator().manual_seed(0)
     e5m2 = f8.Recipe(weight=f8.CastSpec(f8.E5M2), name="e5m2 weights")
     kinds = [(torch.float32, torch.bfloat16, "tensorwise"), (torch.bfloat16, torch.bfloat16, "tensorwise"),
@@ -512,7 +513,7 @@ def test_cast_kept_groups_are_bitwise_each_weights_cast(monkeypatch):
     fsdp_mod._cast_kept(weights, scales)
     for i, w in enumerate(weights):
         version, scale, data = w._scales["w"]
-        want = fsdp_mod._cast_with_scale(w._tensor, scales[i:i + 1, :1], w._recipe.weight, round_to=w._param_dtype)
+        want = fsdp_mod.cast_with_scale(w._tensor, scales[i:i + 1, :1], w._recipe.weight, round_to=w._param_dtype)
         assert version == w.weight_version() and torch.equal(scale, scales[i:i + 1, :1])
         assert data.dtype == w._recipe.weight.dtype and torch.equal(data.view(torch.uint8), want.data.view(torch.uint8))
 

@@ -1,7 +1,8 @@
 """examples/fsdp_tp_scaling.py run CI-sized: 4 gloo processes (dp2 x tp2), a tiny Llama, 3 steps.
 
 The script's JSON says, per configuration: finite losses, fp8func's FSDP2 fp8 all-gather on ==
-off bitwise (tensorwise, rowwise, and delayed scaling with a dynamic weight), and the all-gathered bytes the c10d flight recorder saw.
+off bitwise (tensorwise, rowwise, and delayed scaling with a dynamic weight), and the all-gathered
+bytes the c10d flight recorder saw.
 torchao is left out: its TP styles and its FSDP2 all-gather move float8 tensors, which gloo cannot
 (the script reports such a run n/a; on NCCL it runs). Activation checkpointing (``--ac``) runs on
 2 processes; the MFU formula is checked in one process (the only test here not marked slow)."""

@@ -10,8 +10,6 @@ from hypothesis import strategies as st
 import fp8func as f8
 from fp8func import _gemm
 
-from .strategies import tensors
-
 PAIRS = {  # (a granularity on [M, K], b granularity on [K, N])
     "tensorwise": (f8.TensorWise(), f8.TensorWise()),
     "rowwise": (f8.AxisWise(-1), f8.AxisWise(0)),
@@ -74,13 +72,13 @@ def test_operand_layouts_meet_cublaslt_alignment():
     # packed buffer has neither, and is copied (same values), while a proper layout is kept as is.
     first, second = _packed_views(32, 64)
     for view in (first, second):
-        for fix in (_gemm._row_major, _gemm._col_major):
+        for fix in (_gemm._row_major, _gemm.col_major):
             out = fix(view)
             assert out is not view and torch.equal(out.view(torch.uint8), view.view(torch.uint8))
             pitch = out.stride(0) if fix is _gemm._row_major else out.stride(1)
             assert pitch % 16 == 0 and out.storage_offset() % 16 == 0, (out.stride(), out.storage_offset())
     row = torch.zeros(32, 64, dtype=torch.uint8).view(f8.E4M3)
-    assert _gemm._row_major(row) is row and _gemm._col_major(row.t()).data_ptr() == row.data_ptr()
+    assert _gemm._row_major(row) is row and _gemm.col_major(row.t()).data_ptr() == row.data_ptr()
     assert _gemm._row_major(row.t()) is not row  # column-major: copied row-major
 
 
@@ -91,7 +89,8 @@ def test_gemm_of_packed_views_is_the_gemm_of_their_copies():
     b = f8.Fp8Tensor(second, scale, a.meta).t()
     a_copy = f8.Fp8Tensor(first.contiguous(), scale, a.meta)
     b_copy = f8.Fp8Tensor(second.contiguous(), scale, a.meta).t()
-    assert torch.equal(f8.gemm(a, b, torch.float32, path="hardware"), f8.gemm(a_copy, b_copy, torch.float32, path="hardware"))
+    assert torch.equal(f8.gemm(a, b, torch.float32, path="hardware"),
+                       f8.gemm(a_copy, b_copy, torch.float32, path="hardware"))
 
 
 def test_bias_is_added_in_out_dtype():
@@ -124,8 +123,8 @@ def test_hardware_kind_reasons():
 def test_fallback_logged_once_per_reason(caplog):
     _gemm._logged.discard("test reason")
     with caplog.at_level(logging.WARNING, logger="fp8func"):
-        _gemm._log_fallback("test reason")
-        _gemm._log_fallback("test reason")
+        _gemm.log_fallback("test reason")
+        _gemm.log_fallback("test reason")
     hits = [r for r in caplog.records if "test reason" in r.getMessage()]
     assert len(hits) == 1 and "emulated FP8 GEMM on a GPU" in hits[0].getMessage()
 

@@ -366,7 +366,8 @@ def test_grouped_linear_on_gpu_hardware_vs_emulated(compiled, fast_accum):
     assert torch.equal(q_gpu.data.cpu().view(torch.uint8), q_cpu.data.view(torch.uint8))
     assert grouped_gemm_path(f8.quantize(x, spec), f8.quantize(w, spec).transpose(1, 2)) == "scaled_grouped_mm"
     runs = {}
-    for recipe in (f8.Recipe.from_name("rowwise", fast_accum=fast_accum), f8.Recipe.from_name("rowwise", path="emulated")):
+    for recipe in (f8.Recipe.from_name("rowwise", fast_accum=fast_accum),
+                   f8.Recipe.from_name("rowwise", path="emulated")):
         fn = lambda x, w: f8.grouped_linear(x, w, offs, recipe)  # noqa: E731
         fn = torch.compile(fn, fullgraph=True) if compiled else fn
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -456,8 +457,12 @@ def test_sequence_parallel_styles_compile_whole_on_gpu(recipe, compiled):
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from fp8func.distributed import Fp8ColwiseParallel, Fp8RowwiseParallel, PrepareFp8ModuleInput
 

@@ -277,7 +277,7 @@ def test_config_check_names_what_the_route_needs(route, cfg, match):
 def test_sweep_candidates_are_runnable_and_include_the_frozen_configs():
     """The sweep (a GPU tool) imports on the CPU, covers every route, and each candidate passes
     the route's check; the frozen configuration is among them, so a re-sweep can keep it."""
-    from fp8func.kernels import _sweep
+    from fp8func.bench import _sweep
 
     assert set(_sweep.CANDIDATES) == set(_sweep.CALLS) == set(_configs.CONFIGS)
     for route, cands in _sweep.CANDIDATES.items():
@@ -459,7 +459,8 @@ def _check_transposed_casts(route):
                     _check_quantize(x, f8.CastSpec(fp8, g, p2), True, _eager)
                 spec = f8.CastSpec(fp8)
                 s = fk.amax(x, f8.TensorWise(), impl="reference").nan_to_num(1.0) / 64 + 1e-30
-                got, want = (fk.cast(x, s, spec, transpose=True, scale_t=s, impl=impl) for impl in ("triton", "reference"))
+                got, want = (fk.cast(x, s, spec, transpose=True, scale_t=s, impl=impl)
+                             for impl in ("triton", "reference"))
             elif route == "cast_amax_t":
                 spec = f8.CastSpec(fp8)
                 s = torch.full((1, 1), 0.01, device="cuda")

@@ -160,7 +160,8 @@ def test_linear_errors():
         f8.linear(x, w, recipe="fp4")
     with pytest.raises(TypeError, match="expected a Recipe, a LinearPlan or a recipe name"):
         f8.linear(x, w, recipe=3)
-    with pytest.raises(ValueError, match=r"plan 'blockwise' on M=4, K=64, N=32: the output GEMM's input x cast cannot tile"):
+    with pytest.raises(ValueError,
+                       match=r"plan 'blockwise' on M=4, K=64, N=32: the output GEMM's input x cast cannot tile"):
         f8.linear(x, w, recipe="blockwise")
     with pytest.raises(ValueError, match=r"the grad_weight GEMM's grad_output dy.T cast cannot tile its operand"):
         f8.linear(torch.randn(64, 128), torch.randn(128, 128), recipe="blockwise")
@@ -199,7 +200,7 @@ def test_linear_through_the_kernel_twins_is_bitwise_the_plain_casts(recipe, monk
     assert len(calls) == (0 if recipe == "mxfp8" else 3), calls
     # Transposed copies: dy always (grad_weight); x in the forward where the kernels write the
     # backward's cast with the forward's (tensorwise, row-wise, 1x128 blocks); w where the backward
-    # keeps its fp8 cast anyway (tensorwise, 128x128 blocks), not row-wise (see _forward_transposes).
+    # keeps its fp8 cast anyway (tensorwise, 128x128 blocks), not row-wise (see _casts.forward_transposes).
     transposed = {"tensorwise": 3, "rowwise": 2, "blockwise": 3}.get(recipe, 0)
     assert sum(calls) == transposed, calls
     for a, b in zip(runs["off"], runs["reference"]):

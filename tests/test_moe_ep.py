@@ -107,7 +107,7 @@ def _train(rank, world, fp8, steps, ep, fp8_dispatch=True):
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     losses = []
     with _CountAllToAll() as counter:
-        for step in range(steps):
+        for _ in range(steps):
             x, target = _batch(0, world * T)  # one global batch, fitted step by step
             if ep:
                 x, target = x[rank * T:(rank + 1) * T], target[rank * T:(rank + 1) * T]

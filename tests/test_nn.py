@@ -215,10 +215,14 @@ def test_auto_bench_reads_convert_decisions_and_flags_slower_conversions():
     kept, note = _auto.decision(*small, f8.Recipe.from_name("tensorwise"))
     assert not kept and _auto._modelled(note) < 1.0, note
     times = {"bf16_ms": 1.0, "bf16_b2b_ms": 1.0}
-    rows = [{"shape": big, "recipe": "tensorwise", "auto_fp8": True, "modelled": 1.4, **times, "fp8_ms": 0.7, "fp8_b2b_ms": 0.7},
-            {"shape": big, "recipe": "rowwise", "auto_fp8": True, "modelled": 1.4, **times, "fp8_ms": 0.9, "fp8_b2b_ms": 1.1},
-            {"shape": small, "recipe": "tensorwise", "auto_fp8": False, "modelled": 0.5, **times, "fp8_ms": 0.8, "fp8_b2b_ms": 0.9},
-            {"shape": small, "recipe": "rowwise", "auto_fp8": False, "modelled": 0.5, **times, "fp8_ms": 1.3, "fp8_b2b_ms": 0.9}]
+    rows = [{"shape": big, "recipe": "tensorwise", "auto_fp8": True, "modelled": 1.4, **times,
+             "fp8_ms": 0.7, "fp8_b2b_ms": 0.7},
+            {"shape": big, "recipe": "rowwise", "auto_fp8": True, "modelled": 1.4, **times,
+             "fp8_ms": 0.9, "fp8_b2b_ms": 1.1},
+            {"shape": small, "recipe": "tensorwise", "auto_fp8": False, "modelled": 0.5, **times,
+             "fp8_ms": 0.8, "fp8_b2b_ms": 0.9},
+            {"shape": small, "recipe": "rowwise", "auto_fp8": False, "modelled": 0.5, **times,
+             "fp8_ms": 1.3, "fp8_b2b_ms": 0.9}]
     assert [_auto.verdict(r) for r in rows] == ["ok", "SLOWER (b2b)", "missed", "ok"]
     for r in rows:
         r["verdict"] = _auto.verdict(r)

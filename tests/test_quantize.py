@@ -184,11 +184,11 @@ def test_empty_tensor():
        square=st.booleans())
 def test_transposed_copy_with_the_forward_scales_is_a_fresh_cast(x, dtype, p2, square):
     """``linear`` casts the transposed copy of a tensorwise / square-block operand with the forward
-    cast's scales instead of a second amax (``_casts._cast``): bitwise a fresh cast of ``x.T``."""
-    from fp8func._casts import _cast
+    cast's scales instead of a second amax (``_casts.cast``): bitwise a fresh cast of ``x.T``."""
+    from fp8func._casts import cast
 
     spec = f8.CastSpec(dtype=dtype, granularity=f8.BlockWise((4, 4)) if square else f8.TensorWise(), power_of_2=p2)
-    q, q_t = _cast(x, spec, transpose=True)
+    q, q_t = cast(x, spec, transpose=True)
     fresh = f8.quantize(x.t(), spec)
     assert torch.equal(q_t.data.view(torch.uint8), fresh.data.view(torch.uint8))
     assert torch.equal(q_t.scale.nan_to_num(nan=-1.0), fresh.scale.nan_to_num(nan=-1.0))
@@ -213,6 +213,6 @@ def test_amax_dispatch_is_compute_amax(x, gi, transposed):
 
     g = [f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(0), f8.BlockWise((1, 1))][gi]
     t = x.t() if transposed else x  # a transposed view: not contiguous, so no kernel
-    got = casts_mod._amax(t, g, "reference")
+    got = casts_mod.amax_for_cast(t, g, "reference")
     want = compute_amax(t, g)
     assert got.shape == want.shape and torch.equal(got.nan_to_num(nan=-1.0), want.nan_to_num(nan=-1.0))

@@ -10,8 +10,8 @@ from torch import nn
 
 import fp8func as f8
 import fp8func.nn._stats as stats_mod
-from fp8func.nn._stats import NumericsStats, tensor_stats
 from fp8func import stats_plot
+from fp8func.nn._stats import NumericsStats, tensor_stats
 from fp8func.stats_plot import main as plot_main
 
 from .models import batch, tiny_qwen3
@@ -249,7 +249,8 @@ def test_stats_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeyp
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
     with pytest.raises(SystemExit, match="1"):
         plot_main([str(tmp_path / "stats.json"), str(tmp_path / "out.png")])
     assert capsys.readouterr().err == ("python -m fp8func.stats_plot needs matplotlib, which is not installed: "

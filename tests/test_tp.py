@@ -172,7 +172,8 @@ def _colwise_into_rowwise(rank, world_size, recipe):
             full = orig(t.full_tensor(), spec)
             # (gloo moves no fp8: compare the fp32 dequantized values, which pin the payload too)
             seen.append(torch.equal(q.scale.full_tensor(), full.scale)
-                        and torch.equal(f8.dequantize(q, torch.float32).full_tensor(), f8.dequantize(full, torch.float32)))
+                        and torch.equal(f8.dequantize(q, torch.float32).full_tensor(),
+                                        f8.dequantize(full, torch.float32)))
         return q
 
     casts_mod.quantize = recording  # every cast the linear makes goes through _casts
@@ -376,7 +377,8 @@ def test_fp8_sequence_parallel_styles_under_torch_compile(recipe):
         assert torch.equal(a["y"], c["y"]) and torch.equal(a["dx"], c["dx"])
         assert torch.equal(a["y"], b["y"]) and torch.equal(a["dx"], b["dx"])
         for name in a["grads"]:
-            assert torch.equal(a["grads"][name], b["grads"][name]) and torch.equal(a["grads"][name], c["grads"][name]), name
+            assert torch.equal(a["grads"][name], b["grads"][name]), name
+            assert torch.equal(a["grads"][name], c["grads"][name]), name
 
 
 def _refuse_plain(rank, world_size):

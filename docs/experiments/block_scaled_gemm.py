@@ -112,17 +112,22 @@ def main() -> None:
             for defer in (False, True):
                 got = block_gemm(a, bt, sa, sb, g, (64, 64, 4, 1), torch.float32, defer=defer)
                 ref = emulated(a, bt, sa, sb, g)
-                print(m, n, k, g, "defer" if defer else "", "max rel err", ((got - ref).abs().max() / ref.abs().max()).item())
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                print(m, n, k, g, "defer" if defer else "", "max rel err", err)
         return
     from fp8func._gemm import _blockwise_scaled_mm  # cuBLASLt through F.scaled_mm
 
-    bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=200, return_mode="median")
+    def bench(f):
+        return triton.testing.do_bench(f, warmup=25, rep=200, return_mode="median")
+
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; TFLOP/s")
     for M, K, N in SHAPES:
-        for name, (m, n, k, g) in {"fwd": (M, N, K, 128), "grad_input": (M, K, N, 128), "grad_weight": (N, K, M, 1)}.items():
+        gemms = {"fwd": (M, N, K, 128), "grad_input": (M, K, N, 128), "grad_weight": (N, K, M, 1)}
+        for name, (m, n, k, g) in gemms.items():
             a, bt, sa, sb = operands(m, n, k, g, "cuda")
             flop = 2 * m * n * k
-            hb, wb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            hb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             t_bf = bench(lambda: hb @ wb.t())
             t_cub = bench(lambda: _blockwise_scaled_mm(a, bt.t(), sa, sb, g == 128, torch.bfloat16))
             ref = emulated(a, bt, sa, sb, g) if not args.unscaled else None

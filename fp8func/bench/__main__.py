@@ -1,7 +1,10 @@
-"""``python -m fp8func.bench {all,gemm,quantize,linear,block,auto,calibrate,grouped,memory,profile} [--iters N] [--json PATH]``: print a markdown table.
+"""``python -m fp8func.bench {all,gemm,quantize,linear,block,auto,calibrate,grouped,memory,profile}
+[--iters N] [--json PATH]``: print a markdown table.
 
 ``python -m fp8func.bench {model,fsdp} [options]``: whole-model training steps; each takes its own
 options (``python -m fp8func.bench model --help``) and runs on the CPU too (tiny shapes, for tests).
+
+``python -m fp8func.bench sweep [options]``: the launch-config sweep of ``fp8func.kernels`` (GPU).
 """
 
 from __future__ import annotations
@@ -15,26 +18,28 @@ import torch
 from . import _all, _auto, _block, _calibrate, _gemm, _grouped, _linear, _memory, _profile, _quant
 from ._timing import environment
 
-ENTRIES = ("model", "fsdp")  # entries with options of their own
+ENTRIES = ("model", "fsdp", "sweep")  # entries with options of their own
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ENTRIES:
-        from . import _fsdp, _model
+        from . import _fsdp, _model, _sweep
 
-        {"model": _model, "fsdp": _fsdp}[argv[0]].main(argv[1:])
+        {"model": _model, "fsdp": _fsdp, "sweep": _sweep}[argv[0]].main(argv[1:])
         return
     parser = argparse.ArgumentParser(prog="python -m fp8func.bench", description=__doc__)
-    parser.add_argument("what", choices=["all", "gemm", "quantize", "linear", "block", "auto", "calibrate", "grouped", "memory", "profile",
-                                           *ENTRIES],
-                        help="which benchmark to run (all: linear, quantize and block in one process; model, fsdp: "
-                             "see their own --help)")
+    parser.add_argument("what", choices=["all", "gemm", "quantize", "linear", "block", "auto", "calibrate", "grouped",
+                                         "memory", "profile", *ENTRIES],
+                        help="which benchmark to run (all: linear, quantize and block in one process; model, fsdp, "
+                             "sweep: see their own --help)")
     parser.add_argument("--iters", type=int, default=50, help="timed runs per case (median reported)")
     parser.add_argument("--json", help="also write rows and environment to this JSON file")
-    parser.add_argument("--shapes", help="quantize: MxK[,...]; all / linear / auto / profile: MxKxN[,...] instead of the default shapes")
-    parser.add_argument("--recipes", help="all / linear / block / auto / memory / profile: comma list of recipes (default "
-                        "tensorwise,rowwise,blockwise,delayed; all: tensorwise,rowwise,blockwise; memory: tensorwise,rowwise; profile: tensorwise). "
+    parser.add_argument("--shapes", help="quantize: MxK[,...]; all / linear / auto / profile: MxKxN[,...] instead of "
+                        "the default shapes")
+    parser.add_argument("--recipes", help="all / linear / block / auto / memory / profile: comma list of recipes "
+                        "(default tensorwise,rowwise,blockwise,delayed; all: tensorwise,rowwise,blockwise; memory: "
+                        "tensorwise,rowwise; profile: tensorwise). "
                         "'delayed' is compared with torchao's dynamic tensorwise; '<recipe>+fastfwd' runs the "
                         "output GEMM with fast accumulation as torchao does")
     args = parser.parse_args(argv)

@@ -26,7 +26,7 @@ from torch import nn
 import fp8func as f8
 
 from ._linear import SHAPES as LINEAR_SHAPES
-from ._linear import _fwd_bwd, _linear, _times, parse_recipe
+from ._linear import fwd_bwd, make_linear, parse_recipe, step_times
 
 PROJECTIONS = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
 SHAPES = list(LINEAR_SHAPES) + [(t, k, n) for t in (2048, 4096, 8192) for k, n in PROJECTIONS
@@ -52,13 +52,13 @@ def run(shapes=SHAPES, recipes=RECIPES, iters: int = 20) -> list[dict]:
     for m, k, n in shapes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        bf16_ms, bf16_b2b = _times(_fwd_bwd(torch.compile(_linear(m, k, n)), x, dy), iters)
+        bf16_ms, bf16_b2b = step_times(fwd_bwd(torch.compile(make_linear(m, k, n)), x, dy), iters)
         torch.compiler.reset()
         for name in recipes:
             recipe = parse_recipe(name)[1]
             converted, note = decision(m, k, n, recipe)
-            ours = f8.nn.Fp8Linear.from_linear(_linear(m, k, n), recipe, fsdp_fp8_all_gather=False)
-            fp8_ms, fp8_b2b = _times(_fwd_bwd(torch.compile(ours, fullgraph=True), x, dy), iters)
+            ours = f8.nn.Fp8Linear.from_linear(make_linear(m, k, n), recipe, fsdp_fp8_all_gather=False)
+            fp8_ms, fp8_b2b = step_times(fwd_bwd(torch.compile(ours, fullgraph=True), x, dy), iters)
             torch.compiler.reset()
             row = {"shape": (m, k, n), "recipe": name, "auto_fp8": converted, "modelled": _modelled(note),
                    "bf16_ms": bf16_ms, "bf16_b2b_ms": bf16_b2b, "fp8_ms": fp8_ms, "fp8_b2b_ms": fp8_b2b,
@@ -87,7 +87,8 @@ def table(rows: list[dict]) -> str:
         modelled = f"{r['modelled']:.2f}x" if r["modelled"] else "-"
         lines.append(f"| {m}x{k}x{n} | {r['recipe']} | {'fp8' if r['auto_fp8'] else 'bf16'} | {modelled} | "
                      f"{r['bf16_ms']:.3f} / {r['bf16_b2b_ms']:.3f} | {r['fp8_ms']:.3f} / {r['fp8_b2b_ms']:.3f} | "
-                     f"{r['bf16_ms'] / r['fp8_ms']:.2f}x / {r['bf16_b2b_ms'] / r['fp8_b2b_ms']:.2f}x | {r['verdict']} |")
+                     f"{r['bf16_ms'] / r['fp8_ms']:.2f}x / {r['bf16_b2b_ms'] / r['fp8_b2b_ms']:.2f}x | "
+                     f"{r['verdict']} |")
     converted = [r for r in rows if r["auto_fp8"]]
     slower = [r for r in converted if r["verdict"] != "ok"]
     missed = [r for r in rows if r["verdict"] == "missed"]

@@ -73,7 +73,7 @@ def run(seq: int = 8192, hidden: int = 4096, mlp: int = 14336, heads: int = 32, 
         rows.append({"impl": impl, "recipe": recipe, "ms": ms, "tokens_per_s": seq / ms * 1e3, "b2b_ms": b2b,
                      "b2b_tokens_per_s": seq / b2b * 1e3})
         print(rows[-1], flush=True)
-        del layer, fn
+        layer = fn = None  # free the compiled layer before the next case
         torch.compiler.reset()
         torch.cuda.empty_cache()
     for tps in ("tokens_per_s", "b2b_tokens_per_s"):

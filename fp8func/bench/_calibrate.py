@@ -20,7 +20,8 @@ def run(iters: int = 30, size: int = 8192) -> list[dict]:
     rows.append({"what": "bf16_tflops", "value": flops / median_ms(lambda: a @ b.t(), iters=iters) / 1e9})
     specs = {"tensorwise": (f8.CastSpec(), f8.CastSpec()),
              "rowwise": (f8.CastSpec(f8.E4M3, f8.AxisWise(-1), True),) * 2,
-             "blockwise": (f8.CastSpec(f8.E4M3, f8.BlockWise((1, 128))), f8.CastSpec(f8.E4M3, f8.BlockWise((128, 128)))),
+             "blockwise": (f8.CastSpec(f8.E4M3, f8.BlockWise((1, 128))),
+                           f8.CastSpec(f8.E4M3, f8.BlockWise((128, 128)))),
              # the blockwise recipe's grad-weight GEMM: both operands 1x128 groups along the contraction
              "blockwise_dw": (f8.CastSpec(f8.E4M3, f8.BlockWise((1, 128))),) * 2}
     for kind, (sa, sb) in specs.items():

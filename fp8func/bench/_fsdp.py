@@ -160,7 +160,8 @@ def table(rows: list[dict], env: dict, setup: str) -> str:
     for r in rows:
         on = gather[r["fp8_all_gather"]] + (" + precomputed scales" if r["precompute"] else "")
         lines.append(f"| {r['config']} | {on} | {r['fp8_linears']}/{r['linears']} | {r['step_ms']:.2f} | "
-                     f"{r['tokens_per_s']:.0f} | {m.fmt(r['vs_bf16'], '.2f', 'x')} | {m.fmt(r['vs_off'], '.2f', 'x')} | "
+                     f"{r['tokens_per_s']:.0f} | {m.fmt(r['vs_bf16'], '.2f', 'x')} | "
+                     f"{m.fmt(r['vs_off'], '.2f', 'x')} | "
                      f"{m.fmt(r['vs_torchao'], '.2f', 'x')} | {r['fsdp_unshard_host_ms']:.2f} | "
                      f"{m.fmt(r['peak_gib'], '.1f')} | {r['compile_s'][0]:.1f} / {sum(r['compile_s'][1:]):.1f} | "
                      f"{r['loss']:.5f} (step {r['loss_step']}) | {m.fmt(r['bf16_loss'], '.5f')} | "

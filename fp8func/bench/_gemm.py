@@ -35,7 +35,7 @@ def run(shapes=SHAPES, iters: int = 50) -> list[dict]:
             ms = median_ms(lambda: f8.gemm(qa, qb, torch.bfloat16), iters=iters)
             rows.append({"shape": (m, k, n), "kind": name, "path": path, "ms": ms,
                          "tflops": flops / ms / 1e9, "vs_bf16": bf16_ms / ms})
-        del a, b
+        a = b = None  # free the operands before the next shape
         torch.cuda.empty_cache()
     return rows
 

@@ -40,14 +40,14 @@ def group_offsets(rows: int, experts: int, skew: float, device, seed: int = 0) -
     return torch.cumsum(counts * 16, 0, dtype=torch.int32).to(device)
 
 
-def _bf16_grouped(x, w, offs):
+def bf16_grouped(x, w, offs):
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
 FAST = Recipe.from_name("rowwise", fast_accum=("output", "grad_input", "grad_weight"))
 
 
-def _fp8_grouped(x, w, offs):
+def fp8_grouped(x, w, offs):
     return grouped_linear(x, w, offs, "rowwise")
 
 
@@ -71,7 +71,7 @@ def torchao_grouped():
     return None
 
 
-def _step(fn, inputs, dy, params):
+def make_step(fn, inputs, dy, params):
     def step():
         for t in (*inputs, *params):
             t.grad = None
@@ -84,7 +84,7 @@ def _time(fn, inputs, dy, iters: int, params=(), optional: bool = False) -> floa
     """Median ms of a compiled fwd+bwd; ``optional``: a baseline whose failure (torchao API drift)
     is printed and gives None instead of stopping the other rows."""
     try:
-        return median_ms(_step(torch.compile(fn, fullgraph=True), inputs, dy, params), iters=iters)
+        return median_ms(make_step(torch.compile(fn, fullgraph=True), inputs, dy, params), iters=iters)
     except Exception as e:
         if not optional:
             raise
@@ -118,7 +118,7 @@ def run(iters: int = 30, tokens: int = TOKENS, skews=SKEWS, *, experts: int = EX
             path = grouped_gemm_path(quantize(x.detach(), spec), quantize(w.detach(), spec).transpose(1, 2))
             flops = 3 * 2 * m * k * n
             row = {"what": what, "shape": (m, k, n), "groups": groups, "path": path, "tflop": flops / 1e12}
-            for name, fn in (("bf16_ms", _bf16_grouped), ("fp8func_ms", _fp8_grouped),
+            for name, fn in (("bf16_ms", bf16_grouped), ("fp8func_ms", fp8_grouped),
                              ("fp8func_fast_ms", _fp8_grouped_fast), ("torchao_ms", ao)):
                 run_fn = lambda x, w, fn=fn: fn(x, w, offs)  # noqa: E731
                 row[name] = None if fn is None else _time(run_fn, (x, w), dy, iters, optional=fn is ao)
@@ -144,7 +144,8 @@ def table(rows: list[dict]) -> str:
     env = environment()
     lines = [f"{env['device']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}: `{env['command']}`", "",
              "| GEMM | M x K x N | groups | FP8 path | bf16 ms | fp8func ms | fp8func fast-accum ms | torchao ms | "
-             "fp8func vs bf16 | fast-accum vs bf16 | fp8func TFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fp8func vs bf16 | fast-accum vs bf16 | fp8func TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(v):
         return f"{v:.3f}" if v else "n/a"

@@ -54,7 +54,7 @@ def torchao_linear(linear: nn.Linear, recipe: str) -> nn.Module | None:
         return None
 
 
-def _fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     def step():
         for p in module.parameters():
             p.grad = None
@@ -64,12 +64,12 @@ def _fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     return step
 
 
-def _linear(m, k, n, seed=0) -> nn.Linear:
+def make_linear(m, k, n, seed=0) -> nn.Linear:
     torch.manual_seed(seed)
     return nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
 
 
-def _times(step, iters: int) -> tuple[float, float]:
+def step_times(step, iters: int) -> tuple[float, float]:
     """(sync ms, back-to-back ms) of one fwd+bwd step."""
     return median_ms(step, iters=iters), back_to_back_ms(step, iters=iters)
 
@@ -79,8 +79,8 @@ def run(shapes=SHAPES, recipes=RECIPES, iters: int = 30) -> list[dict]:
     for m, k, n in shapes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        bf16 = torch.compile(_linear(m, k, n))
-        bf16_ms, bf16_b2b = _times(_fwd_bwd(bf16, x, dy), iters)
+        bf16 = torch.compile(make_linear(m, k, n))
+        bf16_ms, bf16_b2b = step_times(fwd_bwd(bf16, x, dy), iters)
         flops = 3 * 2 * m * k * n
         ao_ms = {}  # one torchao timing per torchao recipe
         for recipe in recipes:
@@ -88,11 +88,12 @@ def run(shapes=SHAPES, recipes=RECIPES, iters: int = 30) -> list[dict]:
             row = {"shape": (m, k, n), "recipe": recipe, "bf16_ms": bf16_ms, "bf16_b2b_ms": bf16_b2b,
                    "bf16_tflops": flops / bf16_ms / 1e9}
             if base not in ao_ms:
-                ao = torchao_linear(_linear(m, k, n), base)
-                ao_ms[base] = _times(_fwd_bwd(torch.compile(ao), x, dy), iters) if ao is not None else (None, None)
+                ao = torchao_linear(make_linear(m, k, n), base)
+                ao_ms[base] = step_times(fwd_bwd(torch.compile(ao), x, dy), iters) if ao is not None else (None, None)
             row["torchao_ms"], row["torchao_b2b_ms"] = ao_ms[base]
-            ours = f8.nn.Fp8Linear.from_linear(_linear(m, k, n), ours_recipe, fsdp_fp8_all_gather=False)
-            row["fp8func_ms"], row["fp8func_b2b_ms"] = _times(_fwd_bwd(torch.compile(ours, fullgraph=True), x, dy), iters)
+            ours = f8.nn.Fp8Linear.from_linear(make_linear(m, k, n), ours_recipe, fsdp_fp8_all_gather=False)
+            compiled = torch.compile(ours, fullgraph=True)
+            row["fp8func_ms"], row["fp8func_b2b_ms"] = step_times(fwd_bwd(compiled, x, dy), iters)
             rows.append(row)
             print(row, flush=True)
             torch.compiler.reset()

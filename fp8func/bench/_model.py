@@ -185,7 +185,7 @@ def median_step_s(fn, device, warmup: int, iters: int) -> float:
 def kernel_class(name: str) -> str:
     """The class of a GPU kernel, by its name, for the profile table."""
     n = name.lower()
-    if re.match(r"_(amax|cast|quant)\w*_kernel", n):  # fp8func's Triton casts (kernels/)
+    if re.match(r"_(amax|cast|quant)\w*_kernel", n):  # fp8func's Triton casts (fp8func.kernels)
         return "fp8func casts"
     if n.startswith("triton_") and not n.startswith("triton_tem_"):
         # inductor's fused kernels (norms, rope, SiLU, torchao's casts), named after the ATen ops
@@ -205,12 +205,12 @@ def kernel_class(name: str) -> str:
 
 
 def profile_classes(step) -> dict:
-    """GPU ms per step by kernel class and host ms per step, from ``_profile._kernels``; under
+    """GPU ms per step by kernel class and host ms per step, from ``_profile.kernel_times``; under
     ``"kernels"`` the largest kernels (name, class, calls and ms per step), to check the classes."""
-    from ._profile import _kernels
+    from ._profile import kernel_times
 
     out = dict.fromkeys(KERNEL_CLASSES, 0.0)
-    rows = _kernels(step)
+    rows = kernel_times(step)
     for name, _calls, us in rows[:-1]:
         out[kernel_class(name)] += us / 1e3
     out["GPU total"] = sum(out[c] for c in KERNEL_CLASSES)
@@ -262,7 +262,8 @@ def optimizer(model, args):
 def step_line(args) -> str:
     if args.optimizer == "none":
         return "a step: forward, loss, backward, zero_grad (no optimizer)"
-    return f"AdamW (its state in the parameters' dtype), lr {args.lr}; a step: forward, loss, backward, optimizer step, zero_grad"
+    return (f"AdamW (its state in the parameters' dtype), lr {args.lr}; a step: forward, loss, backward, "
+            "optimizer step, zero_grad")
 
 
 def free(device) -> None:
@@ -285,7 +286,7 @@ def run_config(name: str, spec: dict, args, data) -> dict:
         probes["timeline"] = lambda step: timeline(model, step)
     row.update(measure(model, opt, data, args.device, warmup=args.warmup, iters=args.iters, probes=probes))
     row["tokens_per_s"] = tokens / row["step_ms"] * 1e3
-    del model, opt
+    model = opt = None  # freed before the next configuration
     free(args.device)
     print({k: v for k, v in row.items() if k != "losses"}, flush=True)
     return row
@@ -432,6 +433,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     compare(rows)
     setup = (f"{model_line(spec)}; bf16 parameters; {step_line(args)}; compile: {COMPILED[args.compile]}; "
              f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'}; median of {args.iters} synchronized steps after "
-             f"{COMPILE_STEPS} compile steps and {args.warmup} warm-up steps; loss at step {len(rows[0]['losses']) - 1}.")
+             f"{COMPILE_STEPS} compile steps and {args.warmup} warm-up steps; "
+             f"loss at step {len(rows[0]['losses']) - 1}.")
     emit(table(rows, env, setup), env, rows, args.json, setup=setup, model=spec)
     return rows

@@ -15,13 +15,13 @@ from torch.profiler import ProfilerActivity, profile
 
 import fp8func as f8
 
-from ._linear import _fwd_bwd, _linear, parse_recipe, torchao_linear
+from ._linear import fwd_bwd, make_linear, parse_recipe, torchao_linear
 
 STEPS = 5
 HOST_TABLES: list[str] = []  # CPU-side profile of each implementation's step, in run order
 
 
-def _kernels(step, steps: int = STEPS) -> list[tuple[str, float, float]]:
+def kernel_times(step, steps: int = STEPS) -> list[tuple[str, float, float]]:
     """[(kernel name, calls per step, GPU us per step)] of ``step``, largest first."""
     for _ in range(3):
         step()
@@ -61,16 +61,16 @@ def run(shapes=((16384, 4096, 4096),), recipes=("tensorwise",), iters: int = 0) 
     for m, k, n in shapes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        impls = [("bf16", "-", torch.compile(_linear(m, k, n)))]
+        impls = [("bf16", "-", torch.compile(make_linear(m, k, n)))]
         for recipe in recipes:
             base, ours_recipe = parse_recipe(recipe)  # "delayed" against torchao's tensorwise
-            ao = None if any(i[:2] == ("torchao", base) for i in impls) else torchao_linear(_linear(m, k, n), base)
+            ao = None if any(i[:2] == ("torchao", base) for i in impls) else torchao_linear(make_linear(m, k, n), base)
             if ao is not None:
                 impls.append(("torchao", base, torch.compile(ao)))
-            ours = f8.nn.Fp8Linear.from_linear(_linear(m, k, n), ours_recipe, fsdp_fp8_all_gather=False)
+            ours = f8.nn.Fp8Linear.from_linear(make_linear(m, k, n), ours_recipe, fsdp_fp8_all_gather=False)
             impls.append(("fp8func", recipe, torch.compile(ours, fullgraph=True)))
         for impl, recipe, module in impls:
-            kernels = _kernels(_fwd_bwd(module, x, dy))
+            kernels = kernel_times(fwd_bwd(module, x, dy))
             rows.append({"shape": (m, k, n), "impl": impl, "recipe": recipe, "kernels": kernels})
             torch.compiler.reset()
     return rows
@@ -100,10 +100,10 @@ def run_grouped(tokens: int = 16384) -> list[dict]:
     w = (torch.randn(g.EXPERTS, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5).requires_grad_()
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for impl, fn in (("bf16", g._bf16_grouped), ("fp8func", g._fp8_grouped)):
+    for impl, fn in (("bf16", g.bf16_grouped), ("fp8func", g.fp8_grouped)):
         compiled = torch.compile(fn, fullgraph=True)
-        step = g._step(lambda x, w, c=compiled: c(x, w, offs), (x, w), dy, ())
-        rows.append({"shape": (m, k, n), "impl": impl, "recipe": "grouped rowwise", "kernels": _kernels(step)})
+        step = g.make_step(lambda x, w, c=compiled: c(x, w, offs), (x, w), dy, ())
+        rows.append({"shape": (m, k, n), "impl": impl, "recipe": "grouped rowwise", "kernels": kernel_times(step)})
         torch.compiler.reset()
     return rows
 
@@ -129,7 +129,8 @@ def grouped_gemm_times(tokens: int = 16384, iters: int = 20) -> list[str]:
         ("forward x @ w.T", lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
          lambda: grouped_gemm(qx, qw, offs)),
         ("grad_input dy @ w", lambda: torch._grouped_mm(dy, w, offs=offs), lambda: grouped_gemm(qdy, qw_n, offs)),
-        ("grad_weight dy.T @ x", lambda: torch._grouped_mm(dy.t(), x, offs=offs), lambda: grouped_gemm(qdy_t, qx_j, offs)),
+        ("grad_weight dy.T @ x", lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+         lambda: grouped_gemm(qdy_t, qx_j, offs)),
     ]
     lines = [f"{m}x{k}x{n}, {e} experts", "| GEMM | bf16 ms | fp8 ms (with operand layout copies) | fp8 vs bf16 |",
              "|---|---|---|---|"]

@@ -65,7 +65,7 @@ def min_bytes(spec: f8.CastSpec, op: str, transpose: bool, shape: tuple[int, int
     return m * k * x_bytes + copies * m * k + scales
 
 
-def _graph_ms(fn, args_list, iters: int) -> float:
+def graph_ms(fn, args_list, iters: int) -> float:
     """Median ms of one call, timed as a CUDA graph of one call per rotated input set."""
     for args in args_list[:2]:
         fn(*args)  # compile / JIT outside the capture
@@ -101,7 +101,7 @@ def run(shapes=SHAPES, iters: int = 50) -> list[dict]:
             torch._dynamo.reset()
             ind = torch.compile(functools.partial(_call, spec, op, transpose, "reference"), fullgraph=True)
             nbytes = min_bytes(spec, op, transpose, (m, k), 2)
-            t_ms, i_ms = _graph_ms(tri, args, iters), _graph_ms(ind, args, iters)
+            t_ms, i_ms = graph_ms(tri, args, iters), graph_ms(ind, args, iters)
             rows.append({"shape": (m, k), "kernel": name, "bytes": nbytes, "triton_ms": t_ms,
                          "triton_gbps": nbytes / t_ms / 1e6, "inductor_ms": i_ms,
                          "inductor_gbps": nbytes / i_ms / 1e6})

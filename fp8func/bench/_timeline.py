@@ -106,7 +106,8 @@ def table(rows: list[dict]) -> list[str]:
              "layers took on the host and on the GPU, and how far the GPU was behind the host at the end (GPU ms "
              "no longer than host ms, and a small lag: the GPU waited for the host):", "",
              "| config | forward host / GPU ms | GPU behind at the forward's end, ms | backward host / GPU ms | "
-             "GPU behind at the backward's end, ms | GPU ms before layer 0 | step GPU ms |", "|---|---|---|---|---|---|---|"]
+             "GPU behind at the backward's end, ms | GPU ms before layer 0 | step GPU ms |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         t = r.get("timeline")
         if t:
@@ -158,7 +159,8 @@ def gpu_waits(events: list[dict], steps: int) -> dict:
             dependency += k["ts"] - end - waited_host
         end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
     first, last = compute[0]["ts"], end
-    return {"compute_kernels": len(compute) / steps, "compute_busy_ms": _busy_us([(k["ts"], k["ts"] + k["dur"]) for k in compute]) / 1e3 / steps,
+    return {"compute_kernels": len(compute) / steps,
+            "compute_busy_ms": _busy_us([(k["ts"], k["ts"] + k["dur"]) for k in compute]) / 1e3 / steps,
             "nccl_busy_ms": _busy_us([(k["ts"], k["ts"] + k["dur"]) for k in nccl]) / 1e3 / steps,
             "idle_host_ms": host / 1e3 / steps, "idle_dependency_ms": dependency / 1e3 / steps,
             "span_ms": (last - first) / 1e3 / steps}

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .._autograd import linear
-from .._scaling import _NAMED_RECIPES, Recipe
+from .._scaling import NAMED_RECIPES, Recipe
 from ..nn import Fp8Linear, convert, report, verify
 from . import _plot, _report
 from ._data import CORPUS, VOCAB, Batches, load_tokens
@@ -36,7 +36,7 @@ Needs transformers and matplotlib: pip install 'fp8func[demo]'."""
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fp8func.demo", description=_DESCRIPTION,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--recipe", default="tensorwise", type=_recipe_name, choices=tuple(_NAMED_RECIPES),
+    p.add_argument("--recipe", default="tensorwise", type=_recipe_name, choices=tuple(NAMED_RECIPES),
                    help="fp8func recipe of the FP8 run")
     p.add_argument("--steps", type=_at_least(1), default=150, help="training steps of each run")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -55,10 +55,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _recipe_name(name: str) -> str:
-    if name not in _NAMED_RECIPES:
-        close = difflib.get_close_matches(name, _NAMED_RECIPES, n=1)
+    if name not in NAMED_RECIPES:
+        close = difflib.get_close_matches(name, NAMED_RECIPES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise argparse.ArgumentTypeError(f"unknown recipe {name!r}{hint}; choose from {', '.join(_NAMED_RECIPES)}")
+        raise argparse.ArgumentTypeError(f"unknown recipe {name!r}{hint}; choose from {', '.join(NAMED_RECIPES)}")
     return name
 
 
@@ -95,7 +95,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, Batches]:
     out = os.path.abspath(args.out)
     folder = os.path.dirname(out)
     if os.path.isdir(out):
-        p.error(f"argument --out: {args.out} is a folder; give a file name such as {os.path.join(args.out, 'loss.png')}")
+        p.error(f"argument --out: {args.out} is a folder; give a file name such as "
+                f"{os.path.join(args.out, 'loss.png')}")
     if not os.path.isdir(folder):
         p.error(f"argument --out: the folder {folder} does not exist; create it or write elsewhere")
     if not os.access(folder, os.W_OK):

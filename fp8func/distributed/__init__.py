@@ -1,9 +1,13 @@
 """Distributed pieces of the shell: FSDP2 fp8 all-gather and fp8 weight types, tensor- and expert-parallel styles.
 
-Sits below ``fp8func.nn`` (it may import the shell; the shell never imports it) and registers its
-weight types with the shell when imported (``import fp8func`` imports it).
+Sits above the shell ``fp8func.nn`` in the layer order of docs/design.md: it may import the shell,
+the shell never imports it. It registers its weight types with the shell when imported (``import
+fp8func`` imports it).
 """
 
+from ..nn._weights import FP8_ALL_GATHER as _FP8_ALL_GATHER
+from ..nn._weights import FP8_WEIGHTS as _FP8_WEIGHTS
+from ..nn._weights import register_weight_type as _register_weight_type
 from ._delayed import share_scaling_state as share_scaling_state
 from ._ep import DispatchPlan as DispatchPlan
 from ._ep import ExpertParallel as ExpertParallel
@@ -20,15 +24,12 @@ from ._tp import Fp8ColwiseParallel as Fp8ColwiseParallel
 from ._tp import Fp8RowwiseParallel as Fp8RowwiseParallel
 from ._tp import PrepareFp8ModuleInput as PrepareFp8ModuleInput
 from ._tp import sequence_all_gather as sequence_all_gather
-from ..nn._weights import FP8_ALL_GATHER as _FP8_ALL_GATHER
-from ..nn._weights import FP8_WEIGHTS as _FP8_WEIGHTS
-from ..nn._weights import register_weight_type as _register_weight_type
 
 # The shell never imports this layer: the weight types it can hold are registered with it here.
 _register_weight_type(_FP8_ALL_GATHER, Fp8AllGatherWeight)
 _register_weight_type(_FP8_WEIGHTS, Fp8WeightParam)
 
-__all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "Fp8WeightParam", "chunk_sizes", "precompute_after_optimizer_step",
-           "precompute_scales", "Fp8ColwiseParallel", "Fp8RowwiseParallel",
+__all__ = ["Fp8AllGatherWeight", "Fp8GatheredWeight", "Fp8WeightParam", "chunk_sizes",
+           "precompute_after_optimizer_step", "precompute_scales", "Fp8ColwiseParallel", "Fp8RowwiseParallel",
            "PrepareFp8ModuleInput", "sequence_all_gather", "share_scaling_state",
            "DispatchPlan", "ExpertParallel", "combine", "dispatch", "parallelize_experts"]

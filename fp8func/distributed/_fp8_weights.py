@@ -49,7 +49,7 @@ from .._sharding import Sharding
 from .._structural import AssignableData
 from ..nn._weights import check_fp8_weights_recipe, notify_all_gather
 from ._fp8_weights_ops import HANDLERS, SHELL_MSG, State, fallback
-from ._fsdp import _GatherHooks, add_all_gather_input, finish_all_gather_inputs, signed_hook
+from ._fsdp import GatherHooks, add_all_gather_input, finish_all_gather_inputs, signed_hook
 
 __all__ = ["Fp8WeightParam", "check_fp8_weights_recipe"]
 
@@ -66,7 +66,7 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class Fp8WeightParam(AssignableData, _GatherHooks, torch.Tensor):
+class Fp8WeightParam(AssignableData, GatherHooks, torch.Tensor):
     """A weight stored in FP8 (payloads + scales, no high-precision copy) that FSDP2 shards and
     all-gathers in 8 bits; writes are staged and quantized at the next all-gather. More in the
     module docstring and docs/fp8_weights.md.

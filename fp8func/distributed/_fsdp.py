@@ -19,7 +19,7 @@ recipe needs a different one (row-wise: column scales). With ``reshard_after_for
 forward's gather moves ``w`` and the backward's ``w_t`` (one payload each, half of bf16's
 bytes); without it the one gather moves both (as many bytes as bf16). Tensorwise and 128x128
 block weights move one payload. Every gather of a weight has the same inputs, in the same
-order (payloads, then row-split scales): FSDP2 sizes its buffers once (``_GatherHooks._slots``).
+order (payloads, then row-split scales): FSDP2 sizes its buffers once (``GatherHooks._slots``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .._casts import _amax, _cast, _cast_with_scale, _scale, _use_kernels, weight_casts
-from .._collectives import _gather_padded
+from .._casts import amax_for_cast, cast, cast_with_scale, scale_for_cast, use_kernels, weight_casts
+from .._collectives import gather_padded
 from .._gathered import Fp8GatheredWeight
 from .._qtensor import Fp8Meta, Fp8Tensor, trusted_fp8_tensor
 from .._scaling import Recipe, TensorWise, block_lengths, compute_scale
@@ -89,7 +89,7 @@ class signed_hook:
         return self if weight is None else _SignedHook(self._fn, weight, self._signature)
 
 
-class _GatherHooks:
+class GatherHooks:
     """What the FSDP2 fp8 weight types share: which casts travel, the TP sharding, and the
     unsharded ``Fp8GatheredWeight`` built after the all-gather. Needs an ``_n_slots`` attribute
     (None until the first all-gather) and an ``_fsdp_group`` list (``compat.find_fsdp_param``'s cache)."""
@@ -230,7 +230,7 @@ class _Writes:
         self.n = 0
 
 
-class Fp8AllGatherWeight(AssignableData, _GatherHooks, torch.Tensor):
+class Fp8AllGatherWeight(AssignableData, GatherHooks, torch.Tensor):
     """A high-precision weight that FSDP2 all-gathers in FP8 (see module docstring).
 
     To everything but FSDP2 it is the high-precision tensor it wraps: the structural ops
@@ -412,17 +412,18 @@ class Fp8AllGatherWeight(AssignableData, _GatherHooks, torch.Tensor):
         kept = self._scales.get(name)
         if kept is not None and kept[0] == version:
             if data and len(kept) == 3:  # precompute_scales' payload: no launch here
-                return Fp8Tensor(kept[2], kept[1], Fp8Meta(spec, param_dtype, sharding[0] if len(sharding) == 1 else None))
+                meta = Fp8Meta(spec, param_dtype, sharding[0] if len(sharding) == 1 else None)
+                return Fp8Tensor(kept[2], kept[1], meta)
             if data:
-                return _cast_with_scale(self._tensor, kept[1], spec, sharding, round_to=param_dtype)
+                return cast_with_scale(self._tensor, kept[1], spec, sharding, round_to=param_dtype)
             return _ScaleOnly(self._tensor, kept[1], spec)
         if not made:
             made.append(self._tensor.to(param_dtype))
         shard = made[0]
         if data:  # the fused kernels on CUDA (this hook runs eagerly, outside compiled regions)
-            q = _cast(shard, spec, sharding=sharding)[0]
+            q = cast(shard, spec, sharding=sharding)[0]
         else:  # the payload travels in the other pass
-            q = _ScaleOnly(shard, _scale(shard, spec, sharding), spec)
+            q = _ScaleOnly(shard, scale_for_cast(shard, spec, sharding), spec)
         self._scales[name] = (version, q.scale)
         return q
 
@@ -495,7 +496,7 @@ def add_all_gather_input(inputs: list, entries: list, name: str, q: Fp8Tensor, s
     elif b is not None:
         # Uneven row shards: FSDP2 takes only inputs of the padded shard's shape then, so the
         # scales go in an all-gather of their own, here.
-        scale = _gather_padded(scale, 0, [s // b for s in sizes], mesh, 0)
+        scale = gather_padded(scale, 0, [s // b for s in sizes], mesh, 0)
     if name in slots:
         data = q.data.view(torch.uint8)
         if data.shape[0] < max(sizes):  # FSDP2 wants every input at the padded shard size
@@ -649,7 +650,7 @@ def _precompute_reduced_scales(weights: list) -> int:
             current = w._scales.get(name)
             if current is not None and current[0] == version:
                 continue
-            amax = _amax(w._tensor, spec.granularity)
+            amax = amax_for_cast(w._tensor, spec.granularity)
             if w._tensor.dtype != w._param_dtype:
                 amax = amax.to(w._param_dtype).float()
             pending.setdefault(reductions, []).append((w, name, spec, amax))
@@ -679,17 +680,17 @@ def _cast_kept(weights: list, scales: torch.Tensor) -> None:
     and keeps scale and payload for its all-gathers. One kernel launch per kind of shard (its
     dtype and device, the param dtype it is rounded to) where the fused kernels apply
     (``kernels.cast_many``): a model's weights cast after each optimizer step with a few launches,
-    not one each, so the host stays ahead of the GPU. Bitwise ``_cast_with_scale`` per weight."""
+    not one each, so the host stays ahead of the GPU. Bitwise ``cast_with_scale`` per weight."""
     one = [row.reshape(1, 1) for row in scales[:, :1].split(1)]
     groups: dict = {}
     for i, w in enumerate(weights):
         t, spec = w._tensor, w._recipe.weight
         round_to = w._param_dtype if t.dtype != w._param_dtype else None
-        if (_use_kernels(t, spec) and t.ndim == 2 and t.is_contiguous()
+        if (use_kernels(t, spec) and t.ndim == 2 and t.is_contiguous()
                 and round_to in (None, torch.bfloat16) and (round_to is None or t.dtype == torch.float32)):
             groups.setdefault((t.dtype, t.device, spec, round_to), []).append(i)
         else:
-            w._keep_payload(one[i], _cast_with_scale(t, one[i], spec, round_to=w._param_dtype).data)
+            w._keep_payload(one[i], cast_with_scale(t, one[i], spec, round_to=w._param_dtype).data)
     for (_, _, spec, round_to), rows in groups.items():
         from .. import kernels as kernel_ops
 
@@ -752,7 +753,8 @@ def shard_amaxes(shards: list[torch.Tensor], dtypes: list[torch.dtype]) -> torch
 
 def shard_amaxes_reference(shards: list[torch.Tensor], dtypes: list[torch.dtype]) -> torch.Tensor:
     """``shard_amaxes``, one shard at a time: cast, abs, amax."""
-    return _canonical_nan(torch.stack([t.to(d).abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+    return _canonical_nan(torch.stack([t.to(d).abs().amax().float() if t.numel()
+                                       else t.new_zeros((), dtype=torch.float32)
                                        for t, d in zip(shards, dtypes)]))
 
 

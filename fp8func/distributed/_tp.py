@@ -18,12 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from .._casts import _cast, activation_casts, grad_output_casts
-from .._collectives import _gather_padded
+from .._casts import activation_casts, cast, grad_output_casts
+from .._collectives import gather_padded
+from .._gathered import Fp8GatheredWeight
 from .._qtensor import Fp8Tensor
 from .._scaling import Recipe, raw_block_lengths
 from .._sharding import Sharding
-from .._gathered import Fp8GatheredWeight
 from ..nn._linear import Fp8Linear
 
 __all__ = ["Fp8ColwiseParallel", "Fp8RowwiseParallel", "PrepareFp8ModuleInput", "sequence_all_gather"]
@@ -74,7 +74,7 @@ def _gather_casts(x_local: torch.Tensor, mesh: DeviceMesh, specs) -> DTensor:
     ws = mesh.size(0)
     rows = x_local.reshape(-1, f)  # [B * S_local, F]: this rank's tokens
     sharding = Sharding(mesh, (Shard(0),))  # the tokens are split over the TP group
-    casts = [(name, spec, _cast(rows, spec, sharding=(sharding,))[0]) for name, spec in specs]
+    casts = [(name, spec, cast(rows, spec, sharding=(sharding,))[0]) for name, spec in specs]
     group = max(_token_block(spec) or 1 for _, spec, _ in casts)  # tokens per packed row: every block divides it
     parts = []  # per cast: its bytes, then its scales if they split the tokens (a spanning scale is TP-reduced)
     for _, spec, q in casts:
@@ -82,7 +82,7 @@ def _gather_casts(x_local: torch.Tensor, mesh: DeviceMesh, specs) -> DTensor:
         if _token_block(spec) is not None:
             parts.append(q.scale.contiguous().view(torch.uint8).reshape(b, s_local // group, -1))
     packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-    gathered = _gather_padded(packed, 1, [s_local // group] * ws, mesh, 0)  # [B, S / group, bytes]
+    gathered = gather_padded(packed, 1, [s_local // group] * ws, mesh, 0)  # [B, S / group, bytes]
     out, at = {}, 0
     for name, spec, q in casts:
         data = gathered[..., at:at + group * f].reshape(-1, f).view(spec.dtype)
@@ -222,7 +222,8 @@ class PrepareFp8ModuleInput(PrepareModuleInput):
         >>> parallelize_module(block, tp_mesh, {
         ...     "self_attn": PrepareFp8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
         ...     "self_attn.q_proj": Fp8ColwiseParallel(), "self_attn.k_proj": Fp8ColwiseParallel(),
-        ...     "self_attn.v_proj": Fp8ColwiseParallel(), "self_attn.o_proj": Fp8RowwiseParallel(output_layouts=Shard(1))})
+        ...     "self_attn.v_proj": Fp8ColwiseParallel(),
+        ...     "self_attn.o_proj": Fp8RowwiseParallel(output_layouts=Shard(1))})
     """
 
     def _apply(self, module, device_mesh):

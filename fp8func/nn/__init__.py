@@ -14,9 +14,9 @@ from ._export import export_fp8 as export_fp8
 from ._linear import Fp8Linear as Fp8Linear
 from ._linear import hook_scaling_states as hook_scaling_states
 from ._master import MasterWeights as MasterWeights
-from ._moe import MoE as MoE
 from ._moe import Fp8Experts as Fp8Experts
 from ._moe import Fp8MoE as Fp8MoE
+from ._moe import MoE as MoE
 from ._moe import Router as Router
 from ._schedule import PrecisionSchedule as PrecisionSchedule
 from ._shared import SharedInputCasts as SharedInputCasts
@@ -28,6 +28,6 @@ from ._verify import verify as verify
 from ._weights import observe_all_gathers as observe_all_gathers
 
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MasterWeights", "MoE", "NumericsStats",
-           "PrecisionSchedule", "Report", "Router", "SharedInputCasts", "Verification", "apply", "checkpoint_context", "convert",
-           "export_fp8", "hook_scaling_states", "next_states", "observe_all_gathers", "plan_conversion", "report",
-           "scaling_states", "tensor_stats", "unconvert", "verify"]
+           "PrecisionSchedule", "Report", "Router", "SharedInputCasts", "Verification", "apply", "checkpoint_context",
+           "convert", "export_fp8", "hook_scaling_states", "next_states", "observe_all_gathers", "plan_conversion",
+           "report", "scaling_states", "tensor_stats", "unconvert", "verify"]

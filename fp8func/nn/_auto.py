@@ -74,7 +74,8 @@ def profile_for(device: torch.device | str | None = None) -> DeviceProfile:
     rates to ``_calibration.json``."""
     name = "no CUDA GPU"
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(device if device is not None and torch.device(device).type == "cuda" else None)
+        cuda = device is not None and torch.device(device).type == "cuda"
+        name = torch.cuda.get_device_name(device if cuda else None)
         for key in PROFILES:
             if key in name:
                 return PROFILES[key]

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from .._scaling import AxisWise, Recipe, block_lengths
 from ._auto import MARGIN, estimate_ms, profile_for
-from ._linear import Fp8Linear, _check_fp8_weights
+from ._linear import Fp8Linear, check_fp8_weights
 from ._moe import Fp8Experts, is_fused_experts
 from ._outcome import EXCLUDED, outcome
 from ._shared import share_input_casts as _share_input_casts
@@ -82,13 +82,13 @@ def _selector(filter) -> Callable[[nn.Module, str], bool] | None:
         return filter
     if isinstance(filter, (list, tuple, set, frozenset)) and all(isinstance(p, str) and p for p in filter):
         patterns = tuple(filter)
-        return lambda module, fqn: not any(_matches(p, fqn) for p in patterns)
+        return lambda module, fqn: not any(matches(p, fqn) for p in patterns)
     raise ValueError(
         f"convert: filter={filter!r}; expected a callable (module, fqn) -> bool (True: convert), 'auto', a list of "
         "module names / fqn patterns to keep in high precision (e.g. ['lm_head', 'layers.0.*']), or None.")
 
 
-def _matches(pattern: str, fqn: str) -> bool:
+def matches(pattern: str, fqn: str) -> bool:
     """torchtitan's ``filter_fqns`` rule (the pattern is a substring of the fqn), or a glob on the
     whole fqn when the pattern has ``*``, ``?`` or ``[``."""
     return fnmatch.fnmatchcase(fqn, pattern) if any(c in pattern for c in "*?[") else pattern in fqn
@@ -194,7 +194,7 @@ def _check_model(fn: str, model) -> None:
 
 def _decide(model, recipe, filter, fsdp_fp8_all_gather, fp8_weights, tokens) -> list[_Decision]:
     if fp8_weights:
-        _check_fp8_weights(recipe, fsdp_fp8_all_gather)
+        check_fp8_weights(recipe, fsdp_fp8_all_gather)
     select = _selector(filter)  # raises for anything but the accepted forms
     profile = profile_for() if filter == "auto" else None
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -208,7 +208,7 @@ def _decide(model, recipe, filter, fsdp_fp8_all_gather, fp8_weights, tokens) -> 
         elif fqn and (is_fused_experts(m) or isinstance(m, Fp8Experts)):
             out.append(_experts_decision(fqn, m, recipe, select))
     if isinstance(filter, (list, tuple, set, frozenset)):
-        unused = [p for p in filter if not any(_matches(p, d.fqn) for d in out)]
+        unused = [p for p in filter if not any(matches(p, d.fqn) for d in out)]
         if unused:
             log.warning("convert(filter=...): patterns %s match no linear layer of the model", unused)
     return out
@@ -388,20 +388,20 @@ def report(model: nn.Module, *, print_table: bool = True) -> Report:
         if isinstance(m, Fp8Experts) or (fqn and is_fused_experts(m)):
             e, f2, h = m.gate_up_proj.shape
             fp8 = isinstance(m, Fp8Experts)
-            why = m.note if fp8 else _hp_reason(decided.get(fqn), m)
+            why = m.note if fp8 else hp_reason(decided.get(fqn), m)
             rows.append(LayerReport(fqn, fp8, why, m.recipe.name if fp8 else None, h, f2, False))
         elif isinstance(m, Fp8Linear):
             rows.append(LayerReport(fqn, True, m.note, m.recipe.name, m.in_features, m.out_features,
                                     m.fsdp_fp8_all_gather, m.fp8_weights))
         elif isinstance(m, nn.Linear):
-            rows.append(LayerReport(fqn, False, _hp_reason(decided.get(fqn), m), None, m.in_features,
+            rows.append(LayerReport(fqn, False, hp_reason(decided.get(fqn), m), None, m.in_features,
                                     m.out_features, False))
     if print_table:
         print(rows)
     return rows
 
 
-def _hp_reason(row: LayerReport | None, m: nn.Module) -> str:
+def hp_reason(row: LayerReport | None, m: nn.Module) -> str:
     if row is not None and not row.converted:
         return row.reason
     if row is not None:

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from .._ops import quantize
 from .._scaling import AxisWise, CastSpec, TensorWise
-from ._convert import _matches
+from ._convert import matches
 from ._linear import Fp8Linear
 
 __all__ = ["export_fp8", "quantization_config"]
@@ -72,7 +72,7 @@ def export_fp8(model: nn.Module, path: str | os.PathLike, *, granularity: str = 
     from safetensors.torch import save_file
 
     fp8 = {fqn: m for fqn, m in model.named_modules()
-           if isinstance(m, Fp8Linear) and not any(_matches(p, fqn) for p in exclude)}
+           if isinstance(m, Fp8Linear) and not any(matches(p, fqn) for p in exclude)}
     if not fp8:
         raise ValueError("export_fp8: the model has no Fp8Linear layer to export in FP8; convert it with "
                          "fp8func.convert first (or check exclude=...).")

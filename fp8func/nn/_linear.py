@@ -14,8 +14,16 @@ from .._autograd import fp8_linear, unpack_state
 from .._delayed import LinearScalingState, refresh
 from .._gathered import casts_only, gathered_casts
 from .._scaling import Recipe
-from ._weights import FP8_ALL_GATHER, FP8_WEIGHTS, check_fp8_weights_recipe, hp_weight, local_of, weight_kind, \
-    weight_type, wrap_weight
+from ._weights import (
+    FP8_ALL_GATHER,
+    FP8_WEIGHTS,
+    check_fp8_weights_recipe,
+    hp_weight,
+    local_of,
+    weight_kind,
+    weight_type,
+    wrap_weight,
+)
 
 __all__ = ["Fp8Linear"]
 
@@ -93,7 +101,7 @@ class Fp8Linear(nn.Linear):
         self.fsdp_fp8_all_gather = fsdp_fp8_all_gather
         self.fp8_weights = fp8_weights
         if fp8_weights:
-            _check_fp8_weights(self.recipe, fsdp_fp8_all_gather)
+            check_fp8_weights(self.recipe, fsdp_fp8_all_gather)
             self.weight = nn.Parameter(weight_type(FP8_WEIGHTS)(self.weight.data, self.recipe))
             return
         if self.recipe.delayed is not None:
@@ -188,7 +196,7 @@ class Fp8Linear(nn.Linear):
         """An ``Fp8Linear`` holding ``linear_``'s parameters (the same values, no re-init; with
         ``fp8_weights`` the weight's values are staged, quantized at the first use)."""
         if fp8_weights:
-            _check_fp8_weights(recipe, fsdp_fp8_all_gather)
+            check_fp8_weights(recipe, fsdp_fp8_all_gather)
         fsdp_fp8_all_gather = fsdp_fp8_all_gather and (recipe.delayed is None or not recipe.delayed.weight)
         with torch.device("meta"):
             new = cls(linear_.in_features, linear_.out_features, bias=False, recipe=recipe,
@@ -381,7 +389,7 @@ class Fp8Linear(nn.Linear):
                 f"fsdp_fp8_all_gather={self.fsdp_fp8_all_gather}{fp8_weights}")
 
 
-def _check_fp8_weights(recipe: Recipe, fsdp_fp8_all_gather: bool) -> None:
+def check_fp8_weights(recipe: Recipe, fsdp_fp8_all_gather: bool) -> None:
     check_fp8_weights_recipe(recipe)
     if not fsdp_fp8_all_gather:
         raise ValueError("fp8func: fp8_weights=True keeps no high-precision weight to all-gather, so it implies "

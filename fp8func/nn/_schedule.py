@@ -34,7 +34,8 @@ class PrecisionSchedule:
     def __init__(self, phases):
         phases = [(int(s), p) for s, p in phases]
         if not phases or phases[0][0] != 0:
-            raise ValueError(f"PrecisionSchedule({phases!r}): the first phase must start at step 0, e.g. [(0, 'bf16'), ...].")
+            raise ValueError(f"PrecisionSchedule({phases!r}): the first phase must start at step 0, "
+                             "e.g. [(0, 'bf16'), ...].")
         for (a, _), (b, _) in zip(phases, phases[1:]):
             if b <= a:
                 raise ValueError(f"PrecisionSchedule: phase starts {[s for s, _ in phases]} must increase strictly.")
@@ -54,7 +55,8 @@ class PrecisionSchedule:
         if precision != self._current:
             layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
             if not layers:
-                raise ValueError("PrecisionSchedule.apply: the model has no Fp8Linear layers; run fp8func.convert first.")
+                raise ValueError("PrecisionSchedule.apply: the model has no Fp8Linear layers; "
+                                 "run fp8func.convert first.")
             gathered = [m for m in layers if m.fsdp_fp8_all_gather]
             if precision == "bf16" and gathered and _sharded(model):
                 raise ValueError(

@@ -85,8 +85,9 @@ def _clear(module: nn.Module, *args) -> None:
 
 def share_input_casts(model: nn.Module) -> None:
     """Gives each group of sibling ``Fp8Linear`` layers with one input size and one dynamic recipe
-    a ``SharedInputCasts``, and their parent the hooks that empty it. Layers with delayed scaling (their own scales) or a high-precision grad_weight GEMM
-    (no input cast) are left out. Idempotent."""
+    a ``SharedInputCasts``, and their parent the hooks that empty it. Layers with delayed scaling
+    (their own scales) or a high-precision grad_weight GEMM (no input cast) are left out.
+    Idempotent."""
     from ._linear import Fp8Linear
 
     for parent in model.modules():

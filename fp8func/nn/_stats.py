@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from .._formats import fp8_max
 from .._metrics import sqnr
-from .._ops import _apply_scale, _reciprocal, dequantize, quantize, quantize_with_scale
+from .._ops import apply_scale, dequantize, quantize, quantize_with_scale, reciprocal
 from .._scaling import CastSpec, block_lengths
 from ._linear import Fp8Linear
 
@@ -69,7 +69,7 @@ def tensor_stats(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = N
         raise TypeError(f"tensor_stats: spec={spec!r} is not a CastSpec; e.g. fp8func.CastSpec(dtype=fp8func.E4M3).")
     t = _plain(t)
     q = quantize(t, spec) if scale is None else quantize_with_scale(t, scale.detach().float(), spec)
-    scaled = _apply_scale(t, _reciprocal(q.scale), block_lengths(spec.granularity, tuple(t.shape))).abs()
+    scaled = apply_scale(t, reciprocal(q.scale), block_lengths(spec.granularity, tuple(t.shape))).abs()
     top = fp8_max(spec.dtype)
     nonzero = t != 0
     n_nonzero = int(nonzero.sum())

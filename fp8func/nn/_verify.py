@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ._convert import _hp_reason, planned
+from ._convert import hp_reason, planned
 from ._linear import Fp8Linear
 from ._weights import observe_all_gathers, weight_kind
 
@@ -388,7 +388,7 @@ def _judge(model, linears, tallies, output) -> Verification:
             else:
                 rows.append(_check_fp8(model, fqn, m, t, any_backward))
             continue
-        why = _hp_reason(decided.get(fqn), m)
+        why = hp_reason(decided.get(fqn), m)
         rows.append(LayerCheck(fqn, False, True, _paths(t), t.scaled_mm, "-", f"not converted: {why}"))
     fp8_paths = sum((t.paths for t in tallies.values()), Counter())
     kernels = sum((t.kernels for t in tallies.values()), Counter())

@@ -19,9 +19,8 @@ import torch
 from torch._library import triton as _library_triton
 from torch.library import triton_op
 
-from fp8func._formats import tracing
-from fp8func._scaling import AxisWise, CastSpec, Granularity, TensorWise, compute_scale
-
+from .._formats import tracing
+from .._scaling import AxisWise, CastSpec, Granularity, TensorWise, compute_scale
 from ._configs import config
 from ._dispatch import plain_eager
 from ._triton_amax import amax_programs, launch_amax_2d, launch_amax_flat

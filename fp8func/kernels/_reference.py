@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from fp8func._ops import quantize as _quantize
-from fp8func._ops import quantize_with_scale as _quantize_with_scale
-from fp8func._scaling import CastSpec, Granularity, TensorWise, compute_amax
+from .._ops import quantize as _quantize
+from .._ops import quantize_with_scale as _quantize_with_scale
+from .._scaling import CastSpec, Granularity, TensorWise, compute_amax
 
 __all__ = ["amax", "cast", "cast_amax", "quantize"]
 

@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from fp8func._qtensor import Fp8Meta, Fp8Tensor
-from fp8func._scaling import (
+from .._qtensor import Fp8Meta, Fp8Tensor
+from .._scaling import (
     AxisWise,
     BlockWise,
     CastSpec,
@@ -23,7 +23,6 @@ from fp8func._scaling import (
     block_lengths,
     scale_shape,
 )
-
 from . import _reference
 
 __all__ = ["IMPLS", "amax", "cast", "cast_amax", "cast_many", "quantize", "triton_available"]

@@ -1,10 +1,11 @@
-"""fp8func.kernels: Triton kernels for fused amax / cast / transpose (installed from ``kernels/``).
+"""fp8func.kernels: Triton kernels for fused amax / cast / transpose.
 
 Always optional: every kernel has a pure-PyTorch twin (``_reference``, calls into
 ``fp8func.quantize`` / ``quantize_with_scale``) that it matches bitwise; ``impl="reference"``
 forces it, and ``impl="auto"`` uses it wherever the tensor is not on CUDA or Triton is not
-installed. Nothing here is imported by the core, and importing this package imports no Triton
-and probes no hardware (the kernels module is imported on first use).
+installed. Below the casts in the layer order (docs/design.md): it imports only formats, scaling,
+qtensor and ops. Importing this package imports no Triton and probes no hardware (the kernels
+module is imported on first use).
 
 Example:
     >>> import torch, fp8func as f8, fp8func.kernels as k

@@ -2,7 +2,7 @@
 
 A route is one way an entry point launches its kernels (``"cast_t"``: a cast that also writes
 the transposed copy). ``CONFIGS`` holds the configuration each route runs, the winners of the
-launch-config sweep (``python -m fp8func.kernels._sweep``, GPU only; docs/kernels.md). The
+launch-config sweep (``python -m fp8func.bench sweep``, GPU only; docs/kernels.md). The
 sweep and the layout tests run other configurations through ``override``, which checks them
 first. Plain Python: importing this module imports no Triton.
 

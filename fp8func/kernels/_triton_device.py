@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8func._formats import fp8_max, tracing
-from fp8func._scaling import EPS
+from .._formats import fp8_max, tracing
+from .._scaling import EPS
 
 __all__ = ["abs_bits", "amax_bits", "anchor", "canonical_nan", "consts", "recip", "saturate", "scale_of", "transposed"]
 
@@ -78,7 +78,7 @@ def scale_of(amax, INV_MAX: tl.constexpr, POW2: tl.constexpr):
 def recip(scale):
     """The correctly rounded fp32 ``1 / scale`` (IEEE ``div.rn``; Triton's ``/`` is approximate).
 
-    Equal to ``_ops._reciprocal``'s fp64 quotient rounded to fp32: double rounding is harmless
+    Equal to ``_ops.reciprocal``'s fp64 quotient rounded to fp32: double rounding is harmless
     for a quotient when 53 >= 2 * 24 + 2.
     """
     return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)

@@ -1,9 +1,9 @@
-"""Launch-config sweep of the Triton kernels (GPU only; not part of the package API).
+"""Launch-config sweep of the Triton kernels of ``fp8func.kernels`` (GPU only).
 
-``python -m fp8func.kernels._sweep [--routes a,b] [--json PATH]``: for each route of
-``_configs.CONFIGS`` runs the candidates below (through ``_configs.override``) on bf16 inputs,
-checks each one bitwise against the twin, times it (median of CUDA-graph replays over inputs
-that span more than the L2) and prints the winner. A winner becomes the route's entry in
+``python -m fp8func.bench sweep [--routes a,b] [--iters N] [--json PATH]``: for each route of
+``fp8func.kernels._configs.CONFIGS`` runs the candidates below (through ``override``) on bf16
+inputs, checks each one bitwise against the twin, times it (median of CUDA-graph replays over
+inputs that span more than the L2) and prints the winner. A winner becomes the route's entry in
 ``CONFIGS`` by hand; docs/kernels.md records the configurations and the run that chose them.
 """
 
@@ -16,10 +16,10 @@ import json
 import torch
 
 import fp8func as f8
-from fp8func.bench._quant import _graph_ms, copy_gbps, min_bytes
+import fp8func.kernels as fk
+from fp8func.kernels._configs import CONFIGS, Config, override
 
-from . import _dispatch
-from ._configs import CONFIGS, Config, override
+from ._quant import copy_gbps, graph_ms, min_bytes
 
 C = Config
 TW = f8.CastSpec(f8.E4M3)
@@ -68,12 +68,12 @@ DEFAULT_SHAPES = [(16384, 4096)]
 def _call(spec, op, transpose, impl):
     def fn(x, s, s_t):
         if op == "amax":
-            return _dispatch.amax(x, spec.granularity, impl=impl)
+            return fk.amax(x, spec.granularity, impl=impl)
         if op == "cast":
-            return _dispatch.cast(x, s, spec, transpose=transpose, scale_t=s_t, impl=impl)
+            return fk.cast(x, s, spec, transpose=transpose, scale_t=s_t, impl=impl)
         if op == "cast_amax":
-            return _dispatch.cast_amax(x, s, spec, transpose=transpose, impl=impl)
-        return _dispatch.quantize(x, spec, transpose=transpose, impl=impl)
+            return fk.cast_amax(x, s, spec, transpose=transpose, impl=impl)
+        return fk.quantize(x, spec, transpose=transpose, impl=impl)
     return fn
 
 
@@ -103,7 +103,7 @@ def sweep(iters: int = 30, routes=None) -> list[dict]:
             xs[0][5, 7] = 3e4  # an outlier, so groups differ
             args = []
             for x in xs:
-                q, q_t = _dispatch.quantize(x, spec, transpose=transpose, impl="reference")
+                q, q_t = fk.quantize(x, spec, transpose=transpose, impl="reference")
                 args.append((x, q.scale / 3, None if q_t is None else q_t.scale / 3))
             want = _call(spec, op, transpose, "reference")(*args[0])
             nbytes = min_bytes(spec, op, transpose, shape, 2)
@@ -112,7 +112,7 @@ def sweep(iters: int = 30, routes=None) -> list[dict]:
                 try:
                     with override(route, cfg):
                         ok = _same(fn(*args[0]), want)
-                        ms = _graph_ms(fn, args, iters) if ok else float("nan")
+                        ms = graph_ms(fn, args, iters) if ok else float("nan")
                 except Exception as e:  # a config the compiler rejects (e.g. out of resources)
                     ok, ms = False, float("nan")
                     print(f"{route} {cfg}: {type(e).__name__}: {str(e)[:120]}")
@@ -124,14 +124,15 @@ def sweep(iters: int = 30, routes=None) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fp8func.kernels._sweep", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fp8func.bench sweep", description=__doc__)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json")
     parser.add_argument("--routes", help=f"comma list of routes to sweep (default all: {','.join(CANDIDATES)})")
     args = parser.parse_args(argv)
     routes = args.routes.split(",") if args.routes else None
     if routes and not set(routes) <= set(CANDIDATES):
-        parser.error(f"--routes {args.routes}: unknown {sorted(set(routes) - set(CANDIDATES))}; known: {list(CANDIDATES)}")
+        parser.error(f"--routes {args.routes}: unknown {sorted(set(routes) - set(CANDIDATES))}; "
+                     f"known: {list(CANDIDATES)}")
     copy = copy_gbps(args.iters)
     print(f"copy {copy:.0f} GB/s\n| route | shape | config | bitwise | ms | GB/s |\n|---|---|---|---|---|---|")
     rows = sweep(args.iters, routes)
