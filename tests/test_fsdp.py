@@ -245,18 +245,11 @@ def _rowwise_all_reduces(rank, world_size, auto):
     f8.distributed.precompute_after_optimizer_step(auto)
     model, opt = _model_and_opt(world_size, "rowwise", layers=2, lr=3e-3)
     # the hooks reduce through functional collectives, the optimizer step's precompute through c10d
-    counts, losses, orig, orig_c10d = [], [], funcol.all_reduce, dist.all_reduce
+    counts, orig, orig_c10d = [], funcol.all_reduce, dist.all_reduce
     funcol.all_reduce = lambda *a, **k: counts.__setitem__(-1, counts[-1] + 1) or orig(*a, **k)
     dist.all_reduce = lambda *a, **k: counts.__setitem__(-1, counts[-1] + 1) or orig_c10d(*a, **k)
     try:
-        for step in range(3):
-            counts.append(0)
-            ids, labels = batch(step, rank)
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _counted_steps(model, opt, rank, 3, counts)
     finally:
         funcol.all_reduce, dist.all_reduce = orig, orig_c10d
         f8.distributed.precompute_after_optimizer_step(True)
@@ -469,11 +462,26 @@ def _kept_after_precompute(rank, world_size):
     return [(v[1].data_ptr() % 16, tuple(v[1].shape), v[2].dtype, tuple(v[2].shape)) for v in kept]
 
 
-def _model_and_opt(world_size, recipe="tensorwise", layers=1, lr=1e-3):
+def _counted_steps(model, opt, rank, steps, counts) -> list[float]:
+    """``steps`` training steps of ``model``; before each, ``counts`` gets a new entry 0 for the
+    caller's counter to raise. Returns the losses."""
+    losses = []
+    for step in range(steps):
+        counts.append(0)
+        ids, labels = batch(step, rank)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _model_and_opt(world_size, recipe="tensorwise", layers=1, lr=1e-3, fsdp_fp8_all_gather=True):
     """A tiny Qwen3 converted to ``recipe``, each layer and the root under FSDP2 (fp32 masters,
     bf16 all-gathers), and its AdamW."""
     mesh = init_device_mesh("cpu", (world_size,))
-    model = f8.convert(tiny_qwen3(layers=layers), recipe)
+    model = f8.convert(tiny_qwen3(layers=layers), recipe, fsdp_fp8_all_gather=fsdp_fp8_all_gather)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -527,25 +535,11 @@ def _gathered_rebuilds(rank, world_size):
 
     out = {}
     for on in (True, False):
-        torch.manual_seed(0)
-        mesh = init_device_mesh("cpu", (world_size,))
-        model = f8.convert(tiny_qwen3(layers=1), "tensorwise", fsdp_fp8_all_gather=on)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        rebuilds, losses, orig = [], [], Fp8GatheredWeight.set_casts
+        model, opt = _model_and_opt(world_size, lr=1e-2, fsdp_fp8_all_gather=on)
+        rebuilds, orig = [], Fp8GatheredWeight.set_casts
         Fp8GatheredWeight.set_casts = lambda self, *a: rebuilds.__setitem__(-1, rebuilds[-1] + 1) or orig(self, *a)
         try:
-            for step in range(3):
-                rebuilds.append(0)
-                ids, labels = batch(step, rank)
-                loss = model(input_ids=ids, labels=labels).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            losses = _counted_steps(model, opt, rank, 3, rebuilds)
         finally:
             Fp8GatheredWeight.set_casts = orig
         out["on" if on else "off"] = losses
