@@ -356,18 +356,10 @@ def _checkpointed_delayed(rank, world_size, checkpointing):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
     try:
-        for step in range(3):
-            ids, labels = batch(step, rank)
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        return _counted_steps(model, opt, rank, 3, [])
     except RuntimeError as e:
         return str(e)
-    return losses
 
 
 @pytest.mark.slow
