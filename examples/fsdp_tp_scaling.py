@@ -416,22 +416,27 @@ def train(args, name, mesh, device, recorder):
     warmup = min(args.warmup, args.steps - 1)
     last_measured = min(warmup + args.bytes_steps, args.steps) - 1
     losses, times, gathered, mark = [], [], None, None
+
+    def one_step(model, opt, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * step + dp_rank)
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+        # use_cache=False: a training step keeps no KV cache (with one, each compiled layer guards
+        # on its own cache slot and recompiles, and past dynamo's recompile limit layers run eagerly).
+        loss = model(input_ids=ids, labels=ids, position_ids=positions, attention_mask=mask, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if precompute is not None:
+            precompute(model)
+        return loss
+
     with CountFsdpGathers() as fsdp_count:
         for step in range(args.steps):
-            g = torch.Generator().manual_seed(1000 * step + dp_rank)
-            ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
             if step == warmup:
                 mark, fsdp_count.on = recorder.mark(), True
             sync(device)
             t0 = time.perf_counter()
-            # use_cache=False: a training step keeps no KV cache (with one, each compiled layer guards
-            # on its own cache slot and recompiles, and past dynamo's recompile limit layers run eagerly).
-            loss = model(input_ids=ids, labels=ids, position_ids=positions, attention_mask=mask, use_cache=False).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if precompute is not None:
-                precompute(model)
+            loss = one_step(model, opt, step)
             sync(device)
             times.append(time.perf_counter() - t0)
             if step == last_measured:
@@ -441,9 +446,29 @@ def train(args, name, mesh, device, recorder):
             losses.append(mean.item() / submesh(mesh, "dp").size())
             if not math.isfinite(losses[-1]):
                 break  # every rank sees the same mean: all stop here
+    profiled = None
+    if args.profile and math.isfinite(losses[-1]):  # rank 0 records; the others run the step with it
+        if dist.get_rank() == 0:
+            profiled = profile_one_step(one_step, model, opt, args.steps)
+        else:
+            one_step(model, opt, args.steps)
     del model, opt
     fsdp_bytes = None if gathered is None else fsdp_count.bytes / (last_measured - warmup + 1)
-    return losses, times[warmup:] or times, gathered, fsdp_bytes
+    return losses, times[warmup:] or times, gathered, fsdp_bytes, profiled
+
+
+def profile_one_step(one_step, *step_args) -> dict:
+    """``torch.profiler`` (CPU + CUDA) over one more step, after the timed ones (the profiler adds
+    host time): ``fp8func.bench``'s ``step_profile`` of this rank's step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fp8func.bench._timeline import step_profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one_step(*step_args)
+        torch.cuda.synchronize()
+    return step_profile(prof, 1)
 
 
 def run_config(args, name, mesh, device, recorder) -> dict:
@@ -455,7 +480,7 @@ def run_config(args, name, mesh, device, recorder) -> dict:
     counters = torch._dynamo.utils.counters
     counters.clear()
     try:
-        losses, times, gathered, fsdp_bytes = train(args, name, mesh, device, recorder)
+        losses, times, gathered, fsdp_bytes, profiled = train(args, name, mesh, device, recorder)
     except Exception as e:  # torchao, or any config under --ac: its row says n/a and why; the others must run
         if lib != "torchao" and "deterministic" in str(e) and args.deterministic == "strict":
             raise RuntimeError(f"{name}: an op has no deterministic implementation under --deterministic strict; "
@@ -492,7 +517,7 @@ def run_config(args, name, mesh, device, recorder) -> dict:
                gather_bytes_dp=_per_step(gathered, "dp", args), gather_bytes_tp=_per_step(gathered, "tp", args),
                fsdp_gather_bytes_counted=fsdp_bytes, graph_breaks=sum(counters["graph_break"].values()),
                graph_break_reasons=sorted(counters["graph_break"])[:8], graphs=counters["stats"]["unique_graphs"],
-               collective_calls=_calls_per_step(gathered, args))
+               collective_calls=_calls_per_step(gathered, args), profile=profiled)
     return row
 
 
@@ -595,12 +620,33 @@ def parse_args():
     p.add_argument("--deterministic", choices=("strict", "warn", "off"), default="off",
                    help="strict: deterministic kernels, erroring where none exists (flash attention's backward "
                         "is deterministic only so); warn: warn there instead; off: fastest kernels")
+    p.add_argument("--async-tp", action="store_true",
+                   help="async TP (torchtitan's): inductor's micro-pipeline pass splits each compiled layer's "
+                        "sequence all-gather + matmul and matmul + reduce-scatter into chunks that overlap "
+                        "(symmetric memory on the tp group); needs --device cuda, --compile and --tp > 1")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step per configuration under torch.profiler: GPU ms by kernel class and "
+                        "collective, exposed NCCL time and idle GPU time (rank 0's; the JSON has it)")
     args = p.parse_args()
     args.compile = args.device == "cuda" if args.compile is None else args.compile
+    if args.async_tp and (args.device != "cuda" or not args.compile or args.tp < 2):
+        p.error(f"--async-tp rewrites compiled CUDA graphs over a tp group: it needs --device cuda (got "
+                f"{args.device}), --compile (got {args.compile}) and --tp > 1 (got {args.tp})")
+    if args.profile and args.device != "cuda":
+        p.error("--profile reads CUDA kernels: it needs --device cuda")
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         p.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
     return args
+
+
+def enable_async_tp(tp_group) -> None:
+    """torchtitan's async TP: inductor's micro-pipeline TP pass over symmetric memory on ``tp_group``."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    torch._inductor.config._micro_pipeline_tp = True
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(tp_group.group_name)
 
 
 def set_determinism(mode: str) -> None:
@@ -629,6 +675,8 @@ def main():
     mesh = init_device_mesh(args.device, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     groups = {"dp": submesh(mesh, "dp").get_group(), "tp": submesh(mesh, "tp").get_group()}
     recorder = FlightRecorderBytes(backend, groups)
+    if args.async_tp:
+        enable_async_tp(groups["tp"])
     prime_lazy_state(args.configs.split(","), mesh, device)
     rows = []
     for name in args.configs.split(","):
@@ -689,6 +737,33 @@ def report(args, rows, world, mesh) -> None:
               "on == off (bitwise) |")
     emit(args, env, description, header, [table_line(r, bf16, bool(args.compile)) for r in rows],
          {"rows": rows, "curves": {r["config"]: r.get("losses") for r in rows}})
+    if args.profile:
+        print("\n".join(profile_table(rows)))
+
+
+PROFILE_CLASSES = ("GEMM fp8", "GEMM bf16", "attention", "fp8func casts", "inductor/triton fused", "optimizer",
+                   "other")
+
+
+def profile_table(rows: list[dict]) -> list[str]:
+    """``--profile``: rank 0's GPU ms in one step by kernel class and collective, and the GPU's idle time."""
+    nccl = sorted({k for r in rows for k in ((r.get("profile") or {}).get("classes") or {}) if k.startswith("NCCL")})
+    lines = ["", "One step under torch.profiler, rank 0, GPU ms (calls) by kernel class; NCCL exposed: collective "
+             "time with no compute kernel beside it; idle: the GPU waiting for its host / for a dependency:", "",
+             "| config | step span ms | " + " | ".join(PROFILE_CLASSES + tuple(nccl))
+             + " | NCCL exposed | idle host / dependency | async TP fused ops |",
+             "|---" * (len(PROFILE_CLASSES) + len(nccl) + 5) + "|"]
+    for r in rows:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        cells = [f"{prof['classes'].get(k, (0.0, 0))[0]:.1f} ({prof['classes'].get(k, (0.0, 0))[1]:g})"
+                 for k in PROFILE_CLASSES + tuple(nccl)]
+        w = prof["waits"]
+        lines.append(f"| {r['config']} | {w['span_ms']:.1f} | " + " | ".join(cells)
+                     + f" | {w['nccl_exposed_ms']:.1f} | {w['idle_host_ms']:.1f} / {w['idle_dependency_ms']:.1f} | "
+                     f"{prof['symm_mem_ops']:g} |")
+    return lines
 
 
 if __name__ == "__main__":

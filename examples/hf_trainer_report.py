@@ -226,27 +226,9 @@ class _Profiler(TrainerCallback):
             return
         torch.cuda.synchronize()
         self.prof.__exit__(None, None, None)
-        import tempfile
+        from fp8func.bench._timeline import step_profile
 
-        from fp8func.bench._model import kernel_class
-        from fp8func.bench._timeline import gpu_waits
-
-        classes = {}
-        for e in self.prof.events():
-            if e.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            name = e.name.lower()
-            kind = next((f"NCCL {k}" for k in ("allgather", "allreduce", "reducescatter", "broadcast")
-                         if "nccl" in name and k in name.replace("_", "")), None)
-            kind = kind or ("NCCL other" if "nccl" in name else kernel_class(e.name))
-            ms, calls = classes.get(kind, (0.0, 0))
-            classes[kind] = (ms + e.device_time / 1e3 / self.steps, calls + 1 / self.steps)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "trace.json")
-            self.prof.export_chrome_trace(path)
-            with open(path) as fh:
-                self.out["waits"] = gpu_waits(json.load(fh)["traceEvents"], self.steps)
-        self.out["classes"] = classes
+        self.out.update(step_profile(self.prof, self.steps))
         self.prof = None
 
 

@@ -27,6 +27,27 @@ def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
     return funcol.all_gather_tensor(t, 0, group)
 
 
+def gather_rows(t: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """All-gather ``t`` along dim 0 over ``mesh_dim`` (equal shards, more than one rank) as one
+    ``all_gather_into_tensor`` and one ``wait_tensor``, nothing between: the graph inductor's
+    micro-pipeline TP pass (async TP) splits into chunks that overlap with the GEMMs reading it.
+
+    An fp8 ``t`` travels as itself where the backend moves fp8 dtypes (``moves_fp8``: NCCL), which
+    the fused all-gather-matmul needs (it hands the shard it gathers to ``_scaled_mm``), and as
+    uint8 bytes elsewhere (gloo has no fp8 dtypes)."""
+    payload = t if t.element_size() != 1 or moves_fp8(t) else t.view(torch.uint8)
+    gathered = torch.ops._c10d_functional.all_gather_into_tensor(payload.contiguous(), mesh.size(mesh_dim),
+                                                                 mesh.get_group(mesh_dim).group_name)
+    out = torch.ops._c10d_functional.wait_tensor(gathered)
+    return out if payload is t else out.view(t.dtype)
+
+
+def moves_fp8(t: torch.Tensor) -> bool:
+    """Whether the collectives of ``t``'s device move fp8 dtypes: CUDA's NCCL does (as bytes);
+    gloo, the CPU's backend, has no fp8 dtypes."""
+    return t.device.type == "cuda"
+
+
 def gather_sizes(local: int, mesh: DeviceMesh, mesh_dim: int) -> list[int]:
     """Every rank's local size along a dim (one tiny all-gather; eager only; none on a one-rank mesh dim)."""
     if mesh.size(mesh_dim) == 1:

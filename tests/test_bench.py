@@ -185,10 +185,47 @@ def test_gpu_waits_splits_idle_gpu_time_into_host_and_dependency():
               kernel("gemm", 100, 20, 3), launch(11, 1, 3),     # idle 40-100: launched long before (60 other)
               kernel("ncclDevKernel_AllGather", 35, 60, 4), {"ph": "i", "name": "marker", "ts": 0}]
     w = _timeline.gpu_waits(events, steps=2)
-    assert w == {"compute_kernels": 1.5, "compute_busy_ms": 0.02, "nccl_busy_ms": 0.03, "idle_host_ms": 0.0075,
-                 "idle_dependency_ms": 0.0325, "span_ms": 0.06}
+    # NCCL 35-95 beside compute 30-40 only: 55 us of it exposed over the two steps
+    assert w == {"compute_kernels": 1.5, "compute_busy_ms": 0.02, "nccl_busy_ms": 0.03, "nccl_exposed_ms": 0.0275,
+                 "idle_host_ms": 0.0075, "idle_dependency_ms": 0.0325, "span_ms": 0.06}
     with pytest.raises(ValueError, match="no CUDA kernel"):
         _timeline.gpu_waits([launch(0, 1, 1)], steps=1)
+
+
+def test_step_profile_classes_kernels_and_collectives():
+    """``step_profile`` over a finished profiler: GPU ms and calls per step by class (NCCL by
+    collective), the largest kernels of each class, the host's heaviest ops, async TP's fused ops."""
+    import json
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    kernels = [("nvjet_sm90_qqtst_128x256", 0, 400.0), ("nvjet_sm90_tst_128x256", 500, 300.0),
+               ("ncclDevKernel_AllGather_RING_LL", 450, 600.0), ("ncclDevKernel_ReduceScatter_Sum_f32", 1100, 100.0),
+               ("triton_red_fused_abs_amax_0", 1300, 50.0), ("nvjet_sm90_qqtst_128x256", 1400, 400.0)]
+
+    class Prof:
+        def events(self):
+            return [SimpleNamespace(device_type=cuda, name=n, device_time=d) for n, _, d in kernels] + [
+                SimpleNamespace(device_type=cpu, name="symm_mem::fused_all_gather_scaled_matmul", device_time=0)]
+
+        def key_averages(self):
+            return [SimpleNamespace(key="aten::_scaled_mm", self_cpu_time_total=300.0, count=4),
+                    SimpleNamespace(key="FSDP::pre_forward", self_cpu_time_total=900.0, count=2)]
+
+        def export_chrome_trace(self, path):
+            with open(path, "w") as fh:
+                json.dump({"traceEvents": [{"ph": "X", "cat": "kernel", "name": n, "ts": ts, "dur": d, "args": {}}
+                                           for n, ts, d in kernels]}, fh)
+
+    p = _timeline.step_profile(Prof(), steps=2)
+    assert p["classes"] == {"GEMM fp8": (0.4, 1.0), "GEMM bf16": (0.15, 0.5), "NCCL allgather": (0.3, 0.5),
+                            "NCCL reducescatter": (0.05, 0.5), "inductor/triton fused": (0.025, 0.5)}
+    assert p["top_kernels"]["GEMM fp8"] == [("nvjet_sm90_qqtst_128x256", 0.4, 1.0)]
+    assert p["host_ops"] == [("FSDP::pre_forward", 0.45, 1.0), ("aten::_scaled_mm", 0.15, 2.0)]
+    assert p["symm_mem_ops"] == 0.5
+    # compute 0-400, 500-800, 1300-1350, 1400-1800; NCCL 450-1050 and 1100-1200: exposed 450-500,
+    # 800-1050 and 1100-1200, 400 us over the two steps
+    assert p["waits"]["nccl_exposed_ms"] == pytest.approx(0.2)
 
 
 def test_timeline_marks_leave_a_layer_unchanged():

@@ -232,3 +232,33 @@ def test_mfu_formula_on_llama3_8b(monkeypatch):
     assert ex.peak_flops(args) is None
     args.peak_tflops = 500.0
     assert ex.peak_flops(args) == 500e12
+
+
+def test_profile_table_and_async_tp_arguments(monkeypatch, capsys):
+    """``--profile``'s table (one row per profiled configuration, NCCL columns per collective seen)
+    and ``--async-tp``'s refusal where it cannot apply, with what it needs."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    ex = load_example("fsdp_tp_scaling")
+    waits = {"span_ms": 100.0, "nccl_exposed_ms": 5.0, "idle_host_ms": 20.0, "idle_dependency_ms": 3.0}
+    rows = [{"config": "bf16", "profile": {"classes": {"GEMM bf16": (60.0, 12.0), "NCCL allgather": (9.0, 4.0)},
+                                           "waits": waits, "symm_mem_ops": 0.0}},
+            {"config": "torchao", "error": "n/a"},
+            {"config": "fp8func-tensorwise", "profile": {"classes": {"GEMM fp8": (30.5, 12.0),
+                                                                     "NCCL allreduce": (1.25, 40.0)},
+                                                         "waits": waits, "symm_mem_ops": 8.0}}]
+    lines = ex.profile_table(rows)
+    header, rule, bf16, fp8 = lines[-4:]
+    assert header.split(" | ")[-5:-3] == ["NCCL allgather", "NCCL allreduce"], header
+    assert rule.count("---") == header.count("|") - 1
+    assert bf16 == ("| bf16 | 100.0 | 0.0 (0) | 60.0 (12) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 0.0 (0) | "
+                    "9.0 (4) | 0.0 (0) | 5.0 | 20.0 / 3.0 | 0 |")
+    assert fp8.startswith("| fp8func-tensorwise | 100.0 | 30.5 (12) |")
+    assert fp8.endswith("| 0.0 (0) | 1.2 (40) | 5.0 | 20.0 / 3.0 | 8 |")
+    for argv, needs in ((["--device", "cpu", "--compile", "--async-tp"], "--device cuda"),
+                        (["--device", "cuda", "--no-compile", "--async-tp"], "--compile"),
+                        (["--device", "cuda", "--tp", "1", "--async-tp"], "--tp > 1"),
+                        (["--device", "cpu", "--profile"], "needs --device cuda")):
+        monkeypatch.setattr("sys.argv", ["fsdp_tp_scaling.py", *argv])
+        with pytest.raises(SystemExit):
+            ex.parse_args()
+        assert needs in capsys.readouterr().err, argv

@@ -281,7 +281,7 @@ def test_fsdp_x_tp_2d(recipe, sp):
     assert ((t - s).abs() / s.abs()).max() < 1e-3, (on[0]["losses"][:4], single[:4])
 
 
-def _sp_mlp(rank, world_size, recipe, fp8_styles, compiled=False, local_output=True):
+def _sp_mlp(rank, world_size, recipe, fp8_styles, compiled=False, local_output=True, batch=2):
     """Sequence-parallel SwiGLU: input and output sharded along the sequence (Shard(1)).
 
     ``local_output=False``: every style hands on DTensors (``use_local_output=False``)."""
@@ -308,17 +308,21 @@ def _sp_mlp(rank, world_size, recipe, fp8_styles, compiled=False, local_output=T
     tp_mod._gather_casts = counting
     import fp8func._collectives as coll
 
-    collectives, orig_all_gather = [], coll._all_gather
+    collectives, orig_all_gather, orig_gather_rows = [], coll._all_gather, tp_mod.gather_rows
 
     def counting_all_gather(t, group):
         collectives.append(tuple(t.shape))
         return orig_all_gather(t, group)
 
-    coll._all_gather = counting_all_gather
+    def counting_gather_rows(t, mesh, mesh_dim):
+        collectives.append(tuple(t.shape))
+        return orig_gather_rows(t, mesh, mesh_dim)
+
+    coll._all_gather, tp_mod.gather_rows = counting_all_gather, counting_gather_rows
     g = torch.Generator().manual_seed(1)
     seq = 128 * world_size  # whole 128-token blocks per rank: blockwise gathers in fp8 too
-    x_full = torch.randn(2, seq, 128, generator=g) * 3
-    dy_full = torch.randn(2, seq, 128, generator=g)
+    x_full = torch.randn(batch, seq, 128, generator=g) * 3
+    dy_full = torch.randn(batch, seq, 128, generator=g)
     x = x_full.chunk(world_size, dim=1)[rank].clone().requires_grad_()
     y = forward(x)
     dy = dy_full.chunk(world_size, dim=1)[rank]
@@ -327,7 +331,7 @@ def _sp_mlp(rank, world_size, recipe, fp8_styles, compiled=False, local_output=T
         dy = DTensor.from_local(dy, mesh, [Shard(1)])
     y.backward(dy)
     y = y.to_local() if isinstance(y, DTensor) else y
-    tp_mod._gather_casts, coll._all_gather = orig, orig_all_gather
+    tp_mod._gather_casts, coll._all_gather, tp_mod.gather_rows = orig, orig_all_gather, orig_gather_rows
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     # clone(): the stock style returns an AsyncCollectiveTensor; a compute op waits for it.
     return {"y": y.detach().clone(), "dx": x.grad.clone(), "grads": grads,
@@ -351,6 +355,75 @@ def test_fp8_sequence_parallel_gather_is_bitwise_the_bf16_gather_then_cast(recip
         assert torch.equal(a["dx"], b["dx"])
         for name in a["grads"]:
             assert torch.equal(a["grads"][name], b["grads"][name]), name
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_sequence_parallel_gather_of_one_sequence_is_bitwise_the_bf16_gather_then_cast(recipe, compiled):
+    """Batch 1: a tensorwise cast's rows are gathered as they are (the graph async TP fuses), the
+    row-wise casts through the packed buffer; both bitwise the stock styles, one all-gather each."""
+    fp8 = run_workers(_sp_mlp, 2, recipe, True, compiled, True, 1)
+    stock = run_workers(_sp_mlp, 2, recipe, False, compiled, True, 1)
+    assert {"x", "dy"} <= set(fp8[0]["gathers"]), fp8[0]["gathers"]
+    if not compiled:  # compiled code runs no Python: the counting wrappers see the traced calls only
+        assert len(fp8[0]["all_gathers"]) == 3, fp8[0]["all_gathers"]
+        if recipe == "tensorwise":  # the fp8 rows themselves, [S/tp, F] bytes
+            assert fp8[0]["all_gathers"] == [(128, 128)] * 3, fp8[0]["all_gathers"]
+    for a, b in zip(fp8, stock):
+        assert torch.equal(a["y"], b["y"]) and torch.equal(a["dx"], b["dx"])
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), name
+
+
+def _async_tp_matches(rank, world_size):
+    """Inductor's micro-pipeline TP pattern search (what async TP fuses) over the compiled forward
+    and backward of the sequence-parallel SwiGLU, tensorwise on the hardware GEMM, as NCCL would
+    run it (fp8 payloads moved as fp8): per graph, for each all-gather found, the type of the
+    all-gathered operand and the matmuls it would fuse with. A fake two-rank process group stands
+    in for NCCL (gloo has no fp8 dtypes): the graphs compile, nothing is communicated."""
+    import tempfile
+
+    import torch._inductor.fx_passes.micro_pipeline_tp as mp
+    import torch._inductor.fx_passes.post_grad as post_grad
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fp8func._collectives as coll
+
+    found = []
+
+    def probe(graph):
+        found.append([(str(mp._get_tensor(ag.shard_node).dtype),
+                       [type(m).__name__ for m in mp._find_consumer_matmuls(ag.res_node)])
+                      for ag in mp.find_all_gather_patterns(graph)])
+
+    dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    orig_pass, orig_moves = post_grad.micro_pipeline_tp_pass, coll.moves_fp8
+    post_grad.micro_pipeline_tp_pass, coll.moves_fp8 = probe, lambda t: True
+    try:
+        with torch._inductor.config.patch(_micro_pipeline_tp=True, fx_graph_cache=False):
+            _sp_mlp(0, 2, f8.Recipe.from_name("tensorwise", path="hardware"), True, True, True, 1)
+    finally:
+        post_grad.micro_pipeline_tp_pass, coll.moves_fp8 = orig_pass, orig_moves
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rendezvous", rank=0, world_size=1)
+    return found
+
+
+def test_fp8_sequence_gathers_are_the_pattern_async_tp_fuses():
+    """Each FP8 sequence gather of one sequence (gate's and up's input in the forward, one gather
+    once the compiler merged the two identical ones; down's grad_output in the backward) reaches
+    its GEMMs as all_gather (fp8) -> wait -> _scaled_mm, which inductor's async-TP pass fuses into a
+    pipelined all-gather-matmul (``torch.ops.symm_mem.fused_all_gather_scaled_matmul``, handed the
+    gathered operand's shard: fp8, not its bytes)."""
+    import torch._inductor.fx_passes.micro_pipeline_tp as mp
+
+    if not hasattr(mp, "find_all_gather_patterns") or not hasattr(mp, "_find_consumer_matmuls"):
+        pytest.skip("this torch's micro-pipeline TP pass has another structure")
+    forward, backward = run_workers(_async_tp_matches, 1)[0]
+    assert forward == [("torch.float8_e4m3fn", ["_ScaledMatmul", "_ScaledMatmul"])], forward
+    assert backward == [("torch.float8_e5m2", ["_ScaledMatmul"])], backward
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

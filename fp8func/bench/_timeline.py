@@ -159,8 +159,63 @@ def gpu_waits(events: list[dict], steps: int) -> dict:
             dependency += k["ts"] - end - waited_host
         end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
     first, last = compute[0]["ts"], end
+    compute_spans = [(k["ts"], k["ts"] + k["dur"]) for k in compute]
+    nccl_spans = [(k["ts"], k["ts"] + k["dur"]) for k in nccl]
+    compute_busy = _busy_us(compute_spans)
     return {"compute_kernels": len(compute) / steps,
-            "compute_busy_ms": _busy_us([(k["ts"], k["ts"] + k["dur"]) for k in compute]) / 1e3 / steps,
-            "nccl_busy_ms": _busy_us([(k["ts"], k["ts"] + k["dur"]) for k in nccl]) / 1e3 / steps,
+            "compute_busy_ms": compute_busy / 1e3 / steps,
+            "nccl_busy_ms": _busy_us(nccl_spans) / 1e3 / steps,
+            # NCCL time with no compute kernel running beside it: communication the step waits for
+            "nccl_exposed_ms": (_busy_us(compute_spans + nccl_spans) - compute_busy) / 1e3 / steps,
             "idle_host_ms": host / 1e3 / steps, "idle_dependency_ms": dependency / 1e3 / steps,
             "span_ms": (last - first) / 1e3 / steps}
+
+
+NCCL_KINDS = ("allgather", "allreduce", "reducescatter", "broadcast", "sendrecv")
+
+
+def step_profile(prof, steps: int) -> dict:
+    """GPU ms and kernels per step by class, and where the GPU stood idle, from a finished
+    CPU + CUDA ``torch.profiler.profile`` of ``steps`` training steps.
+
+    ``"classes"``: {class: (ms, calls)} per step; the classes of ``_model.kernel_class`` (GEMM fp8 /
+    bf16, attention, fp8func casts, inductor's fused Triton kernels, optimizer, other) and NCCL
+    kernels by collective ("NCCL allgather", ...). ``"waits"``: ``gpu_waits`` of the trace (compute
+    busy, NCCL busy and exposed, idle waiting for the host or for a dependency). ``"symm_mem_ops"``:
+    host calls per step of ``symm_mem`` ops (async TP's fused all-gather / reduce-scatter matmuls).
+    ``"top_kernels"``: per class its largest kernels (name, ms and calls per step); ``"host_ops"``:
+    the ops and annotated regions with the most host (self CPU) time, ms and calls per step."""
+    import json
+    import os
+    import tempfile
+
+    from ._model import kernel_class
+
+    classes: dict[str, tuple[float, float]] = {}
+    kernels: dict[tuple[str, str], list[float]] = {}
+    symm = 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            symm += "symm_mem" in e.name
+            continue
+        name = e.name.lower()
+        kind = next((f"NCCL {k}" for k in NCCL_KINDS if "nccl" in name and k in name.replace("_", "")), None)
+        kind = kind or ("NCCL other" if "nccl" in name else kernel_class(e.name))
+        ms, calls = classes.get(kind, (0.0, 0.0))
+        classes[kind] = (ms + e.device_time / 1e3 / steps, calls + 1 / steps)
+        k = kernels.setdefault((kind, e.name[:160]), [0.0, 0.0])
+        k[0] += e.device_time / 1e3 / steps
+        k[1] += 1 / steps
+    top = {}  # the largest kernels of each class, to check what a class holds
+    for (kind, name), (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+        if len(top.setdefault(kind, [])) < 6:
+            top[kind].append((name, round(ms, 2), calls))
+    host = [(e.key, round(e.self_cpu_time_total / 1e3 / steps, 2), e.count / steps)
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            waits = gpu_waits(json.load(fh)["traceEvents"], steps)
+    return {"classes": classes, "waits": waits, "symm_mem_ops": symm / steps, "top_kernels": top,
+            "host_ops": host}

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from .._casts import activation_casts, cast, grad_output_casts
-from .._collectives import gather_padded
+from .._collectives import gather_padded, gather_rows
 from .._gathered import Fp8GatheredWeight
 from .._qtensor import Fp8Tensor
 from .._scaling import Recipe, raw_block_lengths
@@ -75,6 +75,14 @@ def _gather_casts(x_local: torch.Tensor, mesh: DeviceMesh, specs) -> DTensor:
     rows = x_local.reshape(-1, f)  # [B * S_local, F]: this rank's tokens
     sharding = Sharding(mesh, (Shard(0),))  # the tokens are split over the TP group
     casts = [(name, spec, cast(rows, spec, sharding=(sharding,))[0]) for name, spec in specs]
+    if b == 1 and len(casts) == 1 and _token_block(casts[0][1]) is None and ws > 1:
+        # One per-tensor cast of one sequence: its rows, gathered along dim 0, are the sequence in
+        # order. On CUDA the graph is the one inductor's micro-pipeline TP pass (async TP) fuses
+        # with the GEMMs that read it: all_gather_into_tensor (fp8) -> wait_tensor -> _scaled_mm.
+        name, spec, q = casts[0]
+        data = gather_rows(q.data, mesh, 0)
+        full = Fp8GatheredWeight({name: Fp8Tensor(data, q.scale, q.meta)}, (b, s_local * ws, f), x_local.dtype)
+        return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
     group = max(_token_block(spec) or 1 for _, spec, _ in casts)  # tokens per packed row: every block divides it
     parts = []  # per cast: its bytes, then its scales if they split the tokens (a spanning scale is TP-reduced)
     for _, spec, q in casts:
