@@ -70,6 +70,15 @@ CPU and, on the GPU, under ``--deterministic strict`` (deterministic kernels, fl
 deterministic backward included, a fixed cuBLAS workspace, inductor's deterministic mode) or
 ``warn``; elsewhere it reads "n/a (--deterministic)".
 
+``--profile`` runs one more step per configuration under ``torch.profiler`` (CPU + CUDA) and
+prints rank 0's GPU time by kernel class (FP8 / bf16 GEMMs, attention, fp8func's casts, inductor's
+fused kernels, optimizer, other) and by collective, the NCCL time no compute kernel hides, and the
+time the GPU stood idle waiting for its host or for a dependency (the JSON adds each class's
+largest kernels and the host's heaviest ops). ``--async-tp`` turns on torchtitan's async TP:
+inductor's micro-pipeline TP pass, with symmetric memory on the tp group, splits each matching
+sequence all-gather + matmul (and matmul + reduce-scatter) into overlapping chunks; the profile's
+last column counts the fused ops run per step.
+
     torchrun --nproc-per-node 8 examples/fsdp_tp_scaling.py --tp 2 --json $OUT/scaling.json
     torchrun --nproc-per-node 8 examples/fsdp_tp_scaling.py --tp 2 --ac selective   # torchtitan's op-level SAC
     torchrun --nproc-per-node 4 examples/fsdp_tp_scaling.py --device cpu --tp 2 --hidden 256 --intermediate 512 \\
