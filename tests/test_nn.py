@@ -343,3 +343,52 @@ def _convert_sharded_twice(rank, world_size):
         assert model.lm_head.recipe.name == "tensorwise"  # nothing changed
         return "raised"
     return "converted"
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (the `gpu` mark: skipped with the reason where no FP8-capable CUDA GPU is visible).
+
+
+def _six_steps(recipe: str, mode: str):
+    """Outputs and gradients of 6 fwd+bwd steps of a compiled Fp8Linear (fresh, seeded)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 384, bias=False, device="cuda", dtype=torch.bfloat16)
+    mod = f8.nn.Fp8Linear.from_linear(lin, f8.Recipe.from_name(recipe), fsdp_fp8_all_gather=False)
+    cm = torch.compile(mod, mode=mode)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    outs = []
+    for _ in range(6):
+        torch.compiler.cudagraph_mark_step_begin()
+        x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+        mod.weight.grad = None
+        y = cm(x)
+        y.backward(torch.randn(512, 384, device="cuda", dtype=torch.bfloat16, generator=g))
+        state = mod.scaling_state()
+        outs.append((y.detach().clone(), x.grad.clone(), mod.weight.grad.clone(),
+                     *(() if state is None else (t.detach().clone() for t in state.tensors()))))
+    torch.compiler.reset()
+    return outs
+
+
+# cudagraph trees capture some graphs empty here (torch's UserWarning; the replays still run them)
+EMPTY_GRAPH = "ignore:The CUDA Graph is empty:UserWarning"
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings(EMPTY_GRAPH)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_linear_under_cuda_graphs_is_bitwise_the_default_compile(recipe):
+    """torch.compile(mode="reduce-overhead") (CUDA graphs) replays the same kernels: same bits."""
+    for a, b in zip(_six_steps(recipe, "default"), _six_steps(recipe, "reduce-overhead")):
+        for t, u in zip(a, b):
+            assert torch.equal(t, u)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings(EMPTY_GRAPH)
+def test_delayed_linear_under_cuda_graphs():
+    """The state buffers are written by the post-accumulate-grad hook after the graph replays,
+    never rebound in the forward: CUDA graphs give the default compile's bits."""
+    for a, b in zip(_six_steps("delayed", "default"), _six_steps("delayed", "reduce-overhead")):
+        for t, u in zip(a, b):
+            assert torch.equal(t, u)
