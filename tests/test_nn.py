@@ -52,7 +52,10 @@ def test_convert_keeps_names_values_and_logs_one_line(caplog):
 def test_report_says_why(capsys):
     net = f8.convert(Net(), "rowwise", filter=lambda m, fqn: fqn != "up")
     assert not any(k.startswith("_fp8func") for k in vars(net))  # nothing stashed on the user's model
-    assert net.head.conversion is not None and net.head.note  # the decisions live in the FP8 layers
+    # the decisions live in the FP8 layers: the convert call's rows, and each converted layer's note
+    assert [(r.fqn, r.converted) for r in net.head.conversion] == [("up", False), ("odd", False), ("down", False),
+                                                                   ("head", True)]
+    assert "shared with another module" in net.head.note
     rows = f8.report(net)
     printed = capsys.readouterr().out
     by = {r.fqn: r for r in rows}
@@ -101,7 +104,12 @@ def test_qwen3_converts_and_runs_compiled():
     compiled = torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     compiled.backward()
-    assert model.lm_head.weight.grad is not None
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    eager.backward()
+    # inductor rounds the fp32 intermediates otherwise, which moves some fp8 roundings: 51-107 dB here
+    for n, p in model.named_parameters():
+        assert f8.sqnr(p.grad.double(), grads[n].double()) > 40, (n, f8.sqnr(p.grad.double(), grads[n].double()))
 
 
 def test_fsdp_gathered_weight_refuses_other_uses():
