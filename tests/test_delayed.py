@@ -181,7 +181,7 @@ def test_a_non_finite_tensor_shows_in_the_outputs_and_gradients(where, bad):
 @pytest.mark.parametrize("weight", [True, False])
 def test_linear_delayed_through_the_kernel_twin_is_bitwise_the_plain_casts(weight, monkeypatch):
     """kernels="reference" routes the delayed casts through ``kernels.cast_amax`` (its PyTorch
-    twin here; the Triton kernel on a GPU, tests/test_gpu.py), each writing its transposed copy
+    twin here; the Triton kernel on a GPU, the `gpu` test below), each writing its transposed copy
     for the backward in the same call: same output, gradients and next states as the plain casts."""
     import fp8func.kernels as kernels
 
@@ -643,3 +643,40 @@ def test_a_state_that_cannot_be_packed_stays_six_leaves_and_says_so(caplog):
         layer(x).pow(2).sum().backward()
     assert layer._packed is None and "six autograd leaves" in caplog.text
     assert layer.fp8_x_history[0] > 0 and layer.fp8_w_history[0] > 0 and layer.fp8_x_history.grad is None
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (the `gpu` mark: skipped with the reason where no FP8-capable CUDA GPU is visible).
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_delayed_linear_with_triton_kernels_is_bitwise_the_plain_casts(compiled):
+    """Delayed scaling through ``kernels.cast_amax`` (cast, transposed copy and amax in one pass)
+    against the plain casts: output, gradients and all three next states (the states' gradients)."""
+    from fp8func._delayed import LinearScalingState, ScalingState
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(4, 256, 512, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(1024, 512, device="cuda", generator=g) / 512**0.5).bfloat16()
+    dy = torch.randn(4, 256, 1024, device="cuda", generator=g).bfloat16()
+    spec = f8.Recipe.from_name("delayed")
+    state = LinearScalingState(ScalingState.from_tensor(x, spec.input, 4),
+                               ScalingState.from_tensor(w / 4, spec.weight, 4),
+                               ScalingState.from_tensor(dy * 8, spec.grad_output, 4))  # w's scale saturates
+    runs = {}
+    for mode in ("off", "auto"):
+        recipe = f8.Recipe.from_name("delayed", kernels=mode)
+
+        def step(x, w, *tensors):
+            return f8.linear_delayed(x, w, None, recipe, LinearScalingState.from_tensors(tensors))[0]
+
+        torch._dynamo.reset()
+        fn = torch.compile(step, fullgraph=True) if compiled else step
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        st = [t.clone().requires_grad_() for t in state.tensors()]
+        y = fn(xx, ww, *st)
+        y.backward(dy)
+        runs[mode] = (y, xx.grad, ww.grad, *(t.grad for t in st))
+    for a, b in zip(runs["off"], runs["auto"], strict=True):
+        assert torch.equal(a, b)

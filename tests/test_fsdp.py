@@ -555,3 +555,20 @@ def test_gathered_weights_are_rebuilt_only_when_their_bytes_or_scales_change():
         # (its scale made there by the hook); later steps: once, at the forward's gather
         assert r["rebuilds"][1:] == [8, 8], r["rebuilds"]
         assert r["signature"] == ["mesh", "outer_size", "outer_stride", "module", "mp_policy"], r["signature"]
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (the `gpu` mark: skipped with the reason where no FP8-capable CUDA GPU is visible).
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_precompute_amaxes_on_gpu_are_bitwise_the_hooks(param_dtype):
+    """The multi-tensor amax of precompute_scales on CUDA (NaN, inf, ties, subnormals, empty):
+    bitwise the amax of each shard cast to the param dtype."""
+    from fp8func.distributed._fsdp import shard_amaxes, shard_amaxes_reference
+
+    shards = _special_shards("cuda")
+    dtypes = [param_dtype] * len(shards)
+    fast, slow = shard_amaxes(shards, dtypes), shard_amaxes_reference(shards, dtypes)
+    assert torch.equal(fast.view(torch.int32), slow.view(torch.int32)), (fast, slow)

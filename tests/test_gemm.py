@@ -148,3 +148,84 @@ def test_operand_errors():
     q3 = f8.quantize(torch.randn(2, 16, 32), f8.CastSpec())
     with pytest.raises(ValueError, match=r"a has shape \(2, 16, 32\); expected 2 dims"):
         f8.gemm(q3, b)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (the `gpu` mark: skipped with the reason where no FP8-capable CUDA GPU is visible).
+
+
+HW_PAIRS = [  # (a granularity [M, K], b granularity [K, N], dtype a, dtype b, expected kind)
+    (f8.TensorWise(), f8.TensorWise(), f8.E4M3, f8.E4M3, "tensorwise"),
+    (f8.TensorWise(), f8.TensorWise(), f8.E5M2, f8.E4M3, "tensorwise"),
+    (f8.TensorWise(), f8.TensorWise(), f8.E4M3, f8.E5M2, "tensorwise"),
+    (f8.AxisWise(-1), f8.AxisWise(0), f8.E4M3, f8.E4M3, "rowwise"),
+    (f8.AxisWise(-1), f8.TensorWise(), f8.E4M3, f8.E4M3, "rowwise"),
+    (f8.BlockWise((1, 128)), f8.BlockWise((128, 128)), f8.E4M3, f8.E4M3, "blockwise"),
+    (f8.BlockWise((1, 128)), f8.BlockWise((128, 1)), f8.E4M3, f8.E4M3, "blockwise"),
+]
+SHAPES = [(256, 512, 384), (1024, 1024, 2048), (384, 640, 256)]  # (M, K, N); K/128 = 5 exercises padding
+
+
+def _ids(p):
+    return f"{p[4]}-{p[0]!r}-{p[1]!r}-{p[2]}-{p[3]}".replace(" ", "")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", HW_PAIRS, ids=_ids)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_hardware_matches_emulated(pair, shape, out_dtype):
+    ga, gb, da, db, kind = pair
+    m, k, n = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = f8.quantize(torch.randn(m, k, device="cuda", generator=g), f8.CastSpec(da, ga))
+    # b is cast along K the way linear does it: quantize [N, K] row-major, then transpose.
+    gb_t = f8.AxisWise(-1) if gb == f8.AxisWise(0) else (f8.BlockWise((1, 128)) if gb == f8.BlockWise((128, 1)) else gb)
+    b = f8.quantize(torch.randn(n, k, device="cuda", generator=g), f8.CastSpec(db, gb_t)).t()
+    assert b.granularity == gb
+    assert f8.gemm_path(a, b) == f"scaled_mm_{kind}"
+    hw = f8.gemm(a, b, out_dtype)
+    em = f8.gemm(a, b, out_dtype, path="emulated")
+    assert hw.dtype == out_dtype
+    ref = f8.dequantize(a, torch.float64) @ f8.dequantize(b, torch.float64)
+    # Same products, other accumulation order (and the output rounding). Hopper's FP8 tensor
+    # cores accumulate with fewer bits than fp32 (cuBLAS promotes to fp32 only between MMA
+    # chunks), so an fp32 output lands near 78 dB, not at the ~130 dB of an fp32 matmul; 70 dB
+    # still fails an output that went through bf16 (about 55 dB here).
+    floor = 45 if out_dtype == torch.bfloat16 else 70
+    assert f8.sqnr(ref, hw) > floor, (f8.sqnr(ref, hw), f8.sqnr(ref, em))
+    assert f8.sqnr(ref, em) > floor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise"])
+def test_hardware_gemm_of_packed_views_is_bitwise_the_gemm_of_their_copies(kind):
+    """Operands that are views into one packed buffer (row pitch 2K + 8 bytes, the second 68
+    bytes in: how an FP8 sequence gather packs two casts and their row scales): cuBLASLt takes
+    neither layout, so the GEMM lays them out again, to the same bits as contiguous copies."""
+    m, k, n = 256, 512, 384
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gran = f8.TensorWise() if kind == "tensorwise" else f8.AxisWise(-1)
+    qa = f8.quantize(torch.randn(m, k, device="cuda", generator=g), f8.CastSpec(granularity=gran))
+    qb = f8.quantize(torch.randn(n, k, device="cuda", generator=g), f8.CastSpec(granularity=gran))
+    buf = torch.zeros(max(m, n), 2 * k + 8, dtype=torch.uint8, device="cuda")
+    buf[:m, :k] = qa.data.view(torch.uint8)
+    buf[:n, k + 4:2 * k + 4] = qb.data.view(torch.uint8)
+    a = f8.Fp8Tensor(buf[:m, :k].view(qa.dtype), qa.scale, qa.meta)
+    b = f8.Fp8Tensor(buf[:n, k + 4:2 * k + 4].view(qb.dtype), qb.scale, qb.meta).t()
+    assert f8.gemm_path(a, b) == f"scaled_mm_{kind}"
+    assert torch.equal(f8.gemm(a, b, torch.bfloat16), f8.gemm(qa, qb.t(), torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_mx_on_hopper_falls_back_loudly(caplog):
+    cap = torch.cuda.get_device_capability()
+    if cap >= (10, 0):
+        pytest.skip("Blackwell has MX GEMMs; the fallback is a Hopper behaviour")
+    a = f8.quantize(torch.randn(128, 256, device="cuda"), f8.CastSpec(granularity=f8.MX(32)))
+    b = f8.quantize(torch.randn(64, 256, device="cuda"), f8.CastSpec(granularity=f8.MX(32))).t()
+    _gemm._logged.clear()
+    with caplog.at_level(logging.WARNING, logger="fp8func"):
+        assert f8.gemm_path(a, b) == "emulated"
+        f8.gemm(a, b)
+    assert sum("emulated FP8 GEMM on a GPU" in r.getMessage() for r in caplog.records) == 1

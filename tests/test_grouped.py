@@ -219,3 +219,42 @@ def test_align_groups_layout():
     padded = torch.zeros(rows, 32).index_copy(0, index, x)
     q, qp = quantize_jagged(x, offs, ROW), quantize_jagged(padded, aligned, ROW)
     assert torch.equal(q.scale[[0, 2, 3]], qp.scale[[0, 2, 3]])  # zero rows change no amax
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (the `gpu` mark: skipped with the reason where no FP8-capable CUDA GPU is visible).
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_accum", [(), ("output", "grad_input", "grad_weight")], ids=["promoted", "fast_accum"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_grouped_linear_on_gpu_hardware_vs_emulated(compiled, fast_accum):
+    """The row-wise FP8 grouped GEMMs (``torch._scaled_grouped_mm``) against the emulated twin:
+    the same casts (bitwise, CUDA vs CPU), values and both gradients close; compiled == eager."""
+    from fp8func._grouped import grouped_gemm_path, quantize_jagged
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [64, 0, 16, 176, 48, 208]  # multiples of 16 (the kernel's grad_weight contract), one empty
+    offs = torch.cumsum(torch.tensor(sizes, device="cuda"), 0, dtype=torch.int32)
+    x = torch.randn(sum(sizes), 256, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(len(sizes), 128, 256, device="cuda", generator=g) / 16).bfloat16()
+    dy = torch.randn(sum(sizes), 128, device="cuda", generator=g).bfloat16()
+    spec = f8.Recipe.from_name("rowwise").input
+    q_gpu, q_cpu = quantize_jagged(x, offs, spec), quantize_jagged(x.cpu(), offs.cpu(), spec)
+    assert torch.equal(q_gpu.scale.cpu(), q_cpu.scale)
+    assert torch.equal(q_gpu.data.cpu().view(torch.uint8), q_cpu.data.view(torch.uint8))
+    assert grouped_gemm_path(f8.quantize(x, spec), f8.quantize(w, spec).transpose(1, 2)) == "scaled_grouped_mm"
+    runs = {}
+    for recipe in (f8.Recipe.from_name("rowwise", fast_accum=fast_accum),
+                   f8.Recipe.from_name("rowwise", path="emulated")):
+        fn = lambda x, w: f8.grouped_linear(x, w, offs, recipe)  # noqa: E731
+        fn = torch.compile(fn, fullgraph=True) if compiled else fn
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xx, ww)
+        y.backward(dy)
+        runs[recipe.path] = (y, xx.grad, ww.grad)
+        torch._dynamo.reset()
+    for hw, em in zip(runs["auto"], runs["emulated"]):
+        assert torch.isfinite(hw).all()
+        assert f8.sqnr(em.double(), hw.double()) > 40, f8.sqnr(em.double(), hw.double())
+    assert not runs["auto"][2][1].any()  # the empty group's weight gradient is exactly zero

@@ -5,7 +5,9 @@ The oracle below is written from the scale convention alone (reshape into groups
 the power-of-two round-up), not from fp8func's helpers, so a wrong twin fails here.
 """
 
+import copy
 import random
+import re
 
 import pytest
 import torch
@@ -573,7 +575,7 @@ def test_triton_compiled_fullgraph_bitwise_twin(g):
 
 
 def test_cast_many_is_each_tensor_cast_and_checks_its_arguments():
-    """The reference path of ``cast_many`` (the GPU kernel is checked against it in test_gpu.py):
+    """The reference path of ``cast_many`` (the GPU kernel is checked against it below):
     per tensor bitwise ``cast``, views shaped like the inputs; wrong arguments raise with the fix."""
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(8, 16, generator=g), torch.randn(3, 32, generator=g) * 100, torch.empty(0, 16)]
@@ -592,3 +594,153 @@ def test_cast_many_is_each_tensor_cast_and_checks_its_arguments():
         fk.cast_many(xs, scales, f8.CastSpec(granularity=f8.AxisWise(-1)))
     with pytest.raises(ValueError, match=r"expected float32 \[3, s\]"):
         fk.cast_many(xs, scales[:2], spec)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the kernels inside compiled code (one buffer read in place, amaxes fused into their
+# producers) and cast_many, the one-launch cast of every weight.
+
+
+# A launch of an fp8func kernel in inductor's code, and the buffer its x argument reads.
+_KERNEL_LAUNCH = re.compile(
+    r"\b(?:_amax_flat|_amax_2d|_cast|_quant|_quant_t)_kernel\w*\.run\(\s*(?:reinterpret_tensor\()?(\w+)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+@pytest.mark.parametrize("dim", [512, 1040], ids=["dim512", "dim1040-padded"])
+def test_compiled_casts_read_an_intermediate_in_place(recipe, dim, monkeypatch):
+    """q, k and v reading a tensor made inside the compiled graph (a norm's output in a decoder
+    layer): with the kernels' anchor (``kernels._triton_device.anchor``) the forward's cast
+    kernels all read the one buffer the tensor is written to; without it inductor hands each
+    kernel a copy of its own. Outputs and gradients are bitwise the same either way. dim 1040:
+    inductor pads rows longer than 1024 elements to a multiple of 64, so the kernels read copies
+    laid out as traced, with the anchor too."""
+    from torch import nn
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8func.kernels import _triton_amax, _triton_block, _triton_cast
+
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(dim, 512, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            h = x * 1.5
+            return self.q(h) * torch.sigmoid(self.k(h)) + self.v(h)
+
+    def step(fn, xx):
+        y = fn(xx)
+        y.sum().backward()
+        return y.detach()
+
+    torch.manual_seed(0)
+    base = QKV().cuda().bfloat16()
+    x = torch.randn(4, 256, dim, device="cuda").bfloat16()
+    runs, read = {}, {}
+    for anchored in (True, False):
+        if not anchored:
+            for module in (_triton_amax, _triton_block, _triton_cast):
+                monkeypatch.setattr(module, "anchor", lambda t: t)
+        torch._dynamo.reset()
+        model = f8.convert(copy.deepcopy(base), recipe, fsdp_fp8_all_gather=False)
+        fn = torch.compile(model, fullgraph=True)
+        xx = x.clone().requires_grad_()
+        y, code = run_and_get_code(step, fn, xx)
+        runs[anchored] = [y, xx.grad, *(p.grad for p in model.parameters())]
+        launches = _KERNEL_LAUNCH.findall(code[0])
+        assert launches, code[0]
+        read[anchored] = {name for name in launches if not name.startswith("primals")}  # weights: graph inputs
+    torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False], strict=True))
+    if dim == 512:
+        assert len(read[True]) == 1 < len(read[False]), read
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["randn", "nan", "-inf", "zeros", "fp32"])
+@pytest.mark.parametrize("shape", [(8192, 2048), (1000, 4096), (37, 256), (1, 64)], ids=str)
+def test_compiled_fused_amax_is_bitwise_the_amax_kernel(kind, shape):
+    """``fuse_amax``: a tensorwise amax that inductor computes inside the kernel producing x (here
+    x * 1.5, computed in fp32 and stored as bf16) gives the amax kernel's scale, bit for bit: the
+    maximum is taken over the stored values' bits, NaN canonical, so no unrounded product and no
+    NaN payload can change it."""
+    from fp8func import kernels
+
+    spec = f8.CastSpec(f8.E4M3, f8.TensorWise())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(shape, device="cuda", generator=g, dtype=torch.float32 if kind == "fp32" else torch.bfloat16) * 3
+    if kind == "nan":
+        a[shape[0] // 2, -1] = float("nan")
+    elif kind == "-inf":
+        a[-1, 0] = float("-inf")
+    elif kind == "zeros":
+        a.zero_()
+    eager = kernels.quantize(a * 1.5, spec, transpose=True)
+    torch._dynamo.reset()
+    fused = torch.compile(lambda t: kernels.quantize(t * 1.5, spec, transpose=True, fuse_amax=True), fullgraph=True)(a)
+    for q, r in zip(eager, fused, strict=True):
+        assert torch.equal(q.scale.view(torch.int32), r.scale.view(torch.int32))
+        assert torch.equal(q.data.view(torch.uint8), r.data.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_compiled_block_with_fused_amaxes_is_bitwise_the_amax_kernels(monkeypatch):
+    """A compiled SiLU-mul -> linear -> RMSNorm -> linear block, forward and backward: with the
+    activations' and gradients' amaxes fused into their producers (the default under
+    torch.compile) the outputs and gradients are bitwise those of the amax kernels, and the
+    forward launches the amax kernel for the weights alone."""
+    import torch.nn.functional as F
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8func.kernels import _triton_quant
+
+    def block(gate, up, w1, w2):
+        y = f8.linear(F.silu(gate) * up, w1, recipe="tensorwise")
+        return f8.linear(F.rms_norm(y, (y.shape[-1],)), w2, recipe="tensorwise")
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate, up = (torch.randn(2, 1000, 2048, device="cuda", generator=g).bfloat16() for _ in "gu")
+    w1 = (torch.randn(1024, 2048, device="cuda", generator=g) / 2048**0.5).bfloat16()
+    w2 = (torch.randn(512, 1024, device="cuda", generator=g) / 1024**0.5).bfloat16()
+    runs, amax_launches = {}, {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(_triton_quant, "_amax_in_graph", lambda t: None)
+        torch._dynamo.reset()
+        fn = torch.compile(block, fullgraph=True)
+        leaves = [t.clone().requires_grad_() for t in (gate, up, w1, w2)]
+        y, code = run_and_get_code(fn, *leaves)
+        y.float().square().sum().backward()
+        runs[fused] = [y, *(t.grad for t in leaves)]
+        amax_launches[fused] = len(re.findall(r"\b_amax_flat_kernel\w*\.run\(", code[0]))
+    torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False], strict=True))
+    assert amax_launches == {True: 2, False: 4}, amax_launches
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [f8.E4M3, f8.E5M2])
+@pytest.mark.parametrize("src", ["fp32->bf16", "bf16", "fp32"])
+def test_cast_many_is_bitwise_the_reference_and_the_one_tensor_kernel(dtype, src):
+    """precompute_scales' one-launch cast of every weight: bitwise the PyTorch twin and the one-tensor
+    cast kernel, per tensor (special values, empty and odd-sized tensors, padded scale rows)."""
+    import fp8func.kernels as fk
+
+    from .test_fsdp import _special_shards
+
+    xs = [t.float().reshape(1, -1) if t.ndim == 1 else t.float() for t in _special_shards("cuda")]
+    xs += [torch.randn(4096 + 3, 517, device="cuda") * 7]
+    if src == "bf16":
+        xs = [x.bfloat16() for x in xs]
+    round_to = torch.bfloat16 if src == "fp32->bf16" else None
+    scales = torch.rand(len(xs), 4, device="cuda") * 0.1 + 1e-3
+    spec = f8.CastSpec(dtype)
+    fast = fk.cast_many(xs, scales, spec, round_to=round_to, impl="triton")
+    slow = fk.cast_many(xs, scales, spec, round_to=round_to, impl="reference")
+    for i, (x, a, b) in enumerate(zip(xs, fast, slow)):
+        one = fk.cast(x, scales[i:i + 1, :1], spec, round_to=round_to, impl="triton")[0]
+        assert a.shape == x.shape and a.dtype == dtype
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i
+        assert torch.equal(a.view(torch.uint8), one.view(torch.uint8)), i

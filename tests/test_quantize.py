@@ -216,3 +216,25 @@ def test_amax_dispatch_is_compute_amax(x, gi, transposed):
     got = casts_mod.amax_for_cast(t, g, "reference")
     want = compute_amax(t, g)
     assert got.shape == want.shape and torch.equal(got.nan_to_num(nan=-1.0), want.nan_to_num(nan=-1.0))
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (the `gpu` mark: skipped with the reason where no FP8-capable CUDA GPU is visible).
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g", [f8.TensorWise(), f8.AxisWise(-1), f8.AxisWise(0), f8.BlockWise((1, 128)),
+                               f8.BlockWise((128, 128)), f8.MX(32)], ids=repr)
+@pytest.mark.parametrize("dtype", [f8.E4M3, f8.E5M2])
+@pytest.mark.parametrize("p2", [False, True])
+def test_cuda_quantize_bitwise_equals_cpu_and_compiled(g, dtype, p2):
+    spec = f8.CastSpec(dtype, g, p2)
+    x = torch.randn(512, 1024) * 3
+    x[3, 5] = 1e4  # an outlier that saturates nothing but sets a scale
+    cpu = f8.quantize(x, spec)
+    gpu = f8.quantize(x.cuda(), spec)
+    torch._dynamo.reset()
+    comp = torch.compile(lambda t: f8.quantize(t, spec), fullgraph=True)(x.cuda())
+    for q in (gpu, comp):
+        assert torch.equal(q.data.view(torch.uint8).cpu(), cpu.data.view(torch.uint8))
+        assert torch.equal(q.scale.cpu(), cpu.scale)

@@ -179,3 +179,54 @@ def test_blocks_compiled_one_by_one_share_one_graph():
         graphs[share] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     # two: the first layer reads a tensor that needs no grad, the other three one that does
     assert graphs[True] == graphs[False] == 2, graphs
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (the `gpu` mark: skipped with the reason where no FP8-capable CUDA GPU is visible).
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_shared_input_casts_on_gpu_are_bitwise_and_cast_once(recipe, compiled):
+    """q, k and v reading one tensor (convert's share_input_casts): every output and gradient is
+    bitwise the unshared model's, and eager, the Triton casts of the shared input run once per
+    step (compiled code casts per layer: see fp8func.nn.SharedInputCasts)."""
+    from torch import nn
+    from torch.profiler import ProfilerActivity, profile
+
+    class QKV(nn.Module):
+        def __init__(self, dim=512):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            h = x * 1.5  # an intermediate, as a norm's output is in a decoder layer
+            return self.q(h) * torch.sigmoid(self.k(h)) + self.v(h)
+
+    torch.manual_seed(0)
+    base = QKV().cuda().bfloat16()
+    x = torch.randn(4, 256, 512, device="cuda").bfloat16()
+    runs = {}
+    for share in (False, True):
+        torch._dynamo.reset()
+        model = f8.convert(copy.deepcopy(base), recipe, fsdp_fp8_all_gather=False, share_input_casts=share)
+        fn = torch.compile(model, fullgraph=True) if compiled else model
+        xx = x.clone().requires_grad_()
+        fn(xx).sum().backward()  # compile / warm up
+        xx.grad = None
+        for p in model.parameters():
+            p.grad = None
+        with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+            y = fn(xx)
+            y.sum().backward()
+            torch.cuda.synchronize()
+        # the input casts: kernels reading the [1024, 512] bf16 tensor (amax / quantize launches)
+        casts = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                    and ("quant" in e.name or "amax" in e.name or "_cast" in e.name))
+        runs[share] = ([y.detach(), xx.grad, *(p.grad for p in model.parameters())], casts)
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][0], runs[True][0]))
+    if compiled:
+        assert runs[True][1] == runs[False][1], (runs[False][1], runs[True][1])
+    else:
+        assert runs[True][1] < runs[False][1], (runs[False][1], runs[True][1])

@@ -1,5 +1,7 @@
 """Tensor parallel (DTensor) with Fp8Linear: global amaxes, finite losses, parity with one process."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,8 @@ from .dist_harness import run_workers
 from .models import batch, tiny_qwen3
 from .test_fsdp import _CountAllGather
 
-pytestmark = pytest.mark.slow  # every test here spawns processes (gloo or torchrun)
+# every test here spawns processes (gloo or torchrun) or, on a GPU, compiles a TP block on a one-rank mesh
+pytestmark = pytest.mark.slow
 
 QWEN_TP_PLAN = {
     "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -560,3 +563,72 @@ def test_delayed_scaling_under_tp_compiles_once_its_new_buffers_are_hooked():
         assert eager[1].flatten().ne(eager[1].new_ones(1)).all()  # the input scale moved off its initial value
     for out in run_workers(_delayed_tp_compiled, 2, False):  # parallelize_module replaced the buffers
         assert isinstance(out, str) and "fp8func.nn.hook_scaling_states(model)" in out, out
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (the `gpu` mark: skipped with the reason where no FP8-capable CUDA GPU is visible).
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
+def test_sequence_parallel_styles_compile_whole_on_gpu(recipe, compiled):
+    """The fp8func sequence-parallel styles on a one-rank NCCL TP mesh, a block compiled with
+    fullgraph=True (or eager): the Triton casts and the functional gathers run inside the graph,
+    and every output and gradient is bitwise the stock styles'. The styles sit on a submodule, as
+    in a decoder layer (the compiled module's own hooks are a separate graph in torch 2.11).
+    Eager, the GEMMs read the gathered casts where they lie in the packed buffer (row-wise: two
+    casts and their row scales per token), laid out again where cuBLASLt needs it."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from fp8func.distributed import Fp8ColwiseParallel, Fp8RowwiseParallel, PrepareFp8ModuleInput
+
+    class QKV(nn.Module):
+        def __init__(self, dim=512):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+        def forward(self, x):
+            return self.o(self.q(x) * torch.sigmoid(self.k(x)) + self.v(x))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = QKV()
+
+        def forward(self, x):
+            return x + self.attn(x)
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        torch.manual_seed(0)
+        base = Block().cuda().bfloat16()
+        x = torch.randn(2, 512, 512, device="cuda").bfloat16()
+        dy = torch.randn(2, 512, 512, device="cuda").bfloat16()
+        runs = []
+        for prep, col, row in ((PrepareFp8ModuleInput, Fp8ColwiseParallel, Fp8RowwiseParallel),
+                               (PrepareModuleInput, ColwiseParallel, RowwiseParallel)):
+            torch._dynamo.reset()
+            model = f8.convert(copy.deepcopy(base), recipe, fsdp_fp8_all_gather=False)
+            parallelize_module(model, mesh, {"attn": prep(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+                                             "attn.q": col(), "attn.k": col(), "attn.v": col(),
+                                             "attn.o": row(output_layouts=Shard(1))})
+            fn = torch.compile(model, fullgraph=True) if compiled else model
+            xx = x.clone().requires_grad_()
+            y = fn(xx)
+            y.backward(dy)
+            runs.append([y.detach().clone(), xx.grad, *(p.grad.full_tensor() for p in model.parameters())])
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+    finally:
+        dist.destroy_process_group()
