@@ -24,13 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ._casts import activation_casts, cast, cast_delayed, forward_transposes, takes_x_copy, weight_casts
 from ._delayed import LinearScalingState, ScalingState, consume, record_merged, record_merged_packed
-from ._formats import tracing
 from ._gathered import casts_only, gathered_casts
 from ._gemm import gemm
+from ._hooks import full_tensor, is_distributed, read_given
 from ._plan import LinearPlan, operand, plan, transposed, untileable
 from ._qtensor import Fp8Meta, Fp8Tensor
 from ._scaling import CastSpec, Recipe, TensorWise
@@ -128,12 +127,12 @@ class _LinearFn(torch.autograd.Function):
         out = (y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale)
         if states is None:
             return out
-        # plain: a replicated DTensor state (TP) would make the passed-on state a DTensor output, whose
-        # tangent torch.compile expects as a DTensor even when no later use gives it one
+        # full tensors: a replicated distributed state (TP) would make the passed-on state a DTensor
+        # output, whose tangent torch.compile expects as a DTensor even when no later use gives it one
         passed = (leaves[-1].clone() if layout.packed_state else
-                  torch.cat([_plain(t).reshape(-1) for st in states for t in st]))
+                  torch.cat([full_tensor(t).reshape(-1) for st in states for t in st]))
         # the amaxes as outputs of their own (saved for the backward): no kernel to put them together
-        return out + (passed, _plain(x_amax), _plain(qx.scale.new_zeros(1) if w_amax is None else w_amax))
+        return out + (passed, full_tensor(x_amax), full_tensor(qx.scale.new_zeros(1) if w_amax is None else w_amax))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -238,8 +237,8 @@ def _operand_for_backward(kind: str, saved: tuple, casts, dtype, qdy) -> Fp8Tens
     if kind == "cast_t":  # a row-major [K, *] copy: its transpose is column-major, as scaled_mm's b
         return Fp8Tensor(a, b, Fp8Meta(casts.first, dtype, None)).t()
     spec = transposed(casts.second)  # the second cast, written on the operand's own layout
-    if kind == "given":
-        return Fp8Tensor(_given_in_backward(a, qdy.scale) if qdy is not None else a, b, Fp8Meta(spec, dtype, None))
+    if kind == "given":  # read as the layer that made it asks (fp8func._hooks.read_given)
+        return Fp8Tensor(read_given(a, qdy.scale) if qdy is not None else a, b, Fp8Meta(spec, dtype, None))
     t = a.reshape(-1, a.shape[-1])
     return cast(t.t(), casts.second)[0].t()  # cast along the other axis: quantize t.T, view it back
 
@@ -280,8 +279,8 @@ def _next_states(ctx, states: tuple[ScalingState, ...], saved: tuple, passed_gra
     p: LinearPlan = ctx.plan
     layout: _Layout = ctx.layout
     x_amax, w_amax = saved[-2:]
-    if isinstance(passed_grad, DTensor):  # a state is replicated; under TP its gradient may come as a DTensor
-        passed_grad = passed_grad.full_tensor()
+    if passed_grad is not None:  # a state is replicated; under TP its gradient may come as a distributed tensor
+        passed_grad = full_tensor(passed_grad)
     algo, sharding = p.delayed.algo, layout.sharding
     recorded = (_global_amax(x_amax, sharding), None if not p.delayed.weight else _global_amax(w_amax, None),
                 None if dy_amax is None else _global_amax(dy_amax, sharding))
@@ -299,7 +298,7 @@ def _next_states(ctx, states: tuple[ScalingState, ...], saved: tuple, passed_gra
         if len(rows) < 3:
             new = torch.where(torch.tensor([[i in rows] for i in range(3)], device=mine.device), new, mine)
         return (new.reshape(-1),)
-    mine = tuple(tuple(map(_plain, st)) for st in states)
+    mine = tuple(tuple(map(full_tensor, st)) for st in states)
     incoming = _unpack_state(passed_grad, tuple(t for st in mine for t in st))
     theirs = tuple(zip(incoming[0::2], incoming[1::2]))
     out = [None] * 6
@@ -316,15 +315,10 @@ def _next_states(ctx, states: tuple[ScalingState, ...], saved: tuple, passed_gra
     return tuple(out)
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor's values (a state or an amax is the same on every rank)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _unpack_state(flat, like: tuple) -> tuple:
     """The six state tensors packed in ``flat`` (zeros when ``flat`` is None), shaped as ``like``."""
     if flat is None:
-        return tuple(torch.zeros_like(_plain(t)) for t in like)
+        return tuple(torch.zeros_like(full_tensor(t)) for t in like)
     out, i = [], 0
     for t in like:
         out.append(flat[i:i + t.numel()].view(t.shape))
@@ -333,53 +327,15 @@ def _unpack_state(flat, like: tuple) -> tuple:
 
 
 def _global_amax(amax: torch.Tensor, sharding: Sharding | None) -> torch.Tensor:
-    """The amax of the logical tensor: a DTensor's over its mesh (TP), then over ``sharding``'s
-    row split (the data-parallel ranks' batches) when given."""
-    if isinstance(amax, DTensor):
-        amax = amax.full_tensor()
-    amax = amax.reshape(1)
+    """The amax of the logical tensor: a distributed tensor's over its mesh (TP), then over
+    ``sharding``'s row split (the data-parallel ranks' batches) when given."""
+    amax = full_tensor(amax).reshape(1)
     if sharding is not None:
         amax = reduce_amax(amax, sharding.mesh, sharding.amax_mesh_dims(TensorWise(), (2, 2)))
     return amax
 
 
 torch._dynamo.allow_in_graph(_LinearFn)
-
-
-@torch.library.custom_op("fp8func::read_in_backward", mutates_args=())
-def _read_in_backward(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """A copy of the 2-D ``t`` made once ``grad`` exists: in the backward, never hoisted into the
-    forward. Column-major, the layout in which the grad_input GEMM reads it as ``b`` (scaled_mm
-    would copy a row-major one again)."""
-    return t.t().contiguous().t()
-
-
-@_read_in_backward.register_fake
-def _(t, grad):
-    return t.new_empty_strided(tuple(t.shape), (1, t.shape[0]))
-
-
-def _given_in_backward(t: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tensor:
-    """A weight cast FSDP2 fills only before the backward (row-wise ``w_t`` under
-    ``reshard_after_forward``: the forward's all-gather carried ``w``; FSDP2 refills the buffer,
-    which the autograd context holds, in its pre-backward hook), read no earlier than that.
-
-    Eager, the backward reads the saved tensor when it runs, after the refill. Compiled,
-    AOTAutograd's partitioner may compute an op that depends only on forward inputs in the
-    forward graph and save its result, since nothing in the graph says the buffer changes in
-    between; it would then read the forward's ``w`` bytes with ``w_t``'s scales. An opaque op
-    that also takes something of the gradient cannot run before the gradient exists. It takes the
-    grad_output cast's scale, an fp32 tensor the GEMM reads anyway (given ``dy`` itself, inductor
-    would store the bf16 ``dy`` that it otherwise fuses unrounded into the cast).
-    """
-    if not tracing():
-        return t
-    dep = grad_scale.to_local() if isinstance(grad_scale, DTensor) else grad_scale
-    if isinstance(t, DTensor):
-        # shape and stride given: computing them is a graph break (torch._C's global tensor info)
-        return DTensor.from_local(_read_in_backward(t.to_local(), dep), t.device_mesh, t.placements,
-                                  run_check=False, shape=t.shape, stride=(1, t.shape[0]))
-    return _read_in_backward(t, dep)
 
 
 def _check_args(x, weight, bias, p: LinearPlan) -> None:
@@ -429,7 +385,7 @@ def _check_state(state, p: LinearPlan, x, weight) -> None:
 def _check_packed_state(flat: torch.Tensor, x, weight) -> int:
     """The history length of a packed state (see ``fp8_linear``), or raises."""
     n = flat.numel()
-    if isinstance(flat, DTensor) or flat.ndim != 1 or flat.dtype != torch.float32 or n % 3 or n < 6:
+    if is_distributed(flat) or flat.ndim != 1 or flat.dtype != torch.float32 or n % 3 or n < 6:
         raise ValueError(f"fp8_linear: a packed state is {type(flat).__name__} {tuple(flat.shape)} {flat.dtype}; "
                          "expected a plain float32 [3 * (L + 1)] tensor (the six state tensors concatenated).")
     if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not flat.requires_grad \

@@ -25,9 +25,9 @@ import weakref
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ._formats import fp8_max, round_up_to_pow2
+from ._hooks import full_tensor
 from ._ops import check_hp, quantize_with_scale
 from ._qtensor import Fp8Tensor
 from ._scaling import AMAX_ALGOS, EPS, CastSpec, TensorWise, compute_amax, compute_scale
@@ -136,9 +136,7 @@ def next_state(state: ScalingState, amax: torch.Tensor, spec: CastSpec, algo: st
     history shifted by one, the scale remade from it (see the module docstring). With ``sharding``
     the amax of a local shard of ``shape`` is first reduced over the mesh dims that split it."""
     history, scale = state
-    if isinstance(amax, DTensor):  # the amax of a DTensor (TP): the global value, on every rank
-        amax = amax.full_tensor()
-    amax = amax.reshape(1)
+    amax = full_tensor(amax).reshape(1)  # a distributed tensor's (TP): the global value, on every rank
     if sharding is not None:
         amax = reduce_amax(amax, sharding.mesh, sharding.amax_mesh_dims(TensorWise(), shape))
     history = torch.cat([amax, history[:-1]])
