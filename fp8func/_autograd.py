@@ -22,19 +22,28 @@ by max into one history entry (``fp8func._delayed.record_merged``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from ._casts import activation_casts, cast, cast_delayed, forward_transposes, takes_x_copy, weight_casts
-from ._delayed import LinearScalingState, ScalingState, consume, record_merged, record_merged_packed
-from ._formats import tracing
+from ._casts import activation_casts, cast, cast_grad_output, cast_operand, forward_transposes, given_leaves
+from ._delayed import (
+    LinearScalingState,
+    check_linear_state,
+    global_amax,
+    linear_states,
+    next_linear_states,
+    packed_history_len,
+    unpack_state,
+)
 from ._gathered import casts_only, gathered_casts
 from ._gemm import gemm
+from ._hooks import full_tensor, read_given
 from ._plan import LinearPlan, operand, plan, transposed, untileable
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import CastSpec, Recipe, TensorWise
-from ._sharding import Sharding, reduce_amax
+from ._scaling import Recipe
+from ._sharding import Sharding
 
 __all__ = ["linear", "linear_delayed", "fp8_linear"]
 
@@ -65,7 +74,65 @@ class _Layout:
         return 0 if not self.delayed else 1 if self.packed_state else 6
 
 
-def _unpack(layout: _Layout, x, leaves) -> tuple[dict, dict, tuple | None]:
+class _Inputs(NamedTuple):
+    """The op's variadic tensor inputs, read with its ``_Layout``."""
+
+    w_given: dict[str, tuple]  # the weight's casts made elsewhere: name -> (data, scale)
+    x_given: dict[str, tuple]  # the input's
+    states: LinearScalingState | None  # delayed: the states of x, w and dy
+    state_inputs: tuple  # delayed: the state's tensor inputs (six, or one packed)
+
+
+class _Outputs(NamedTuple):
+    """The op's outputs: ``y``; the x and w payloads the backward reads (non-differentiable); with
+    delayed scaling, the six state tensors passed on, packed in one vector (differentiable: its
+    gradient is the later uses' new states; one output, so one tangent), and the x and w amaxes
+    recorded (non-differentiable). The last three are None without a state, and then not outputs
+    of the op at all (``flat``)."""
+
+    y: torch.Tensor
+    x_data: torch.Tensor
+    x_scale: torch.Tensor
+    w_data: torch.Tensor
+    w_scale: torch.Tensor
+    state: torch.Tensor | None = None
+    x_amax: torch.Tensor | None = None
+    w_amax: torch.Tensor | None = None
+
+    def flat(self) -> tuple:
+        """The outputs as ``forward`` returns them: the tensors, in field order."""
+        return tuple(t for t in self if t is not None)
+
+
+class _Kept(Enum):
+    """What the backward keeps of an operand (x or w) for its backward GEMM: two tensors each."""
+
+    CAST = "cast"  # the forward's cast (data, scale), reused: its groups are the same seen transposed
+    CAST_T = "cast_t"  # the transposed copy the forward wrote (or was given) with the forward's cast
+    GIVEN = "given"  # the transposed-GEMM cast made elsewhere (w_t / x_t)
+    HP = "hp"  # the tensor itself, cast in the backward or used in high precision
+    MISSING = "missing"  # nothing the backward can use (None, None)
+
+
+class _Saved(NamedTuple):
+    """What the backward reads, saved flat (``flat`` / ``of``): what it keeps of x and of w (see
+    ``_Kept``); with delayed scaling, the x and w amaxes recorded and the state's tensor inputs."""
+
+    x: tuple
+    w: tuple
+    x_amax: torch.Tensor | None
+    w_amax: torch.Tensor | None
+    state: tuple
+
+    def flat(self) -> tuple:
+        return (*self.x, *self.w, self.x_amax, self.w_amax, *self.state)
+
+    @staticmethod
+    def of(flat: tuple) -> _Saved:
+        return _Saved(tuple(flat[0:2]), tuple(flat[2:4]), flat[4], flat[5], tuple(flat[6:]))
+
+
+def _read_inputs(layout: _Layout, x, leaves) -> _Inputs:
     it = iter(leaves)
     w = {name: (next(it), next(it)) for name in layout.w_given}
     if layout.x_inside:
@@ -75,109 +142,83 @@ def _unpack(layout: _Layout, x, leaves) -> tuple[dict, dict, tuple | None]:
         x = {name: (casts[name].data, casts[name].scale) for name in layout.x_given}
     else:
         x = {name: (next(it), next(it)) for name in layout.x_given}
-    states = _states(layout, tuple(it)) if layout.delayed else None
-    return w, x, states
-
-
-def _states(layout: _Layout, leaves: tuple) -> tuple[ScalingState, ...]:
-    """The three casts' states from the op's state inputs: six tensors, or views of one packed
-    ``[3 * (L + 1)]`` tensor whose rows are (history, scale) of x, w and dy."""
-    if layout.packed_state:
-        rows = leaves[0].view(3, layout.packed_state + 1)
-        return tuple(ScalingState(r[:-1], r[-1:].view(1, 1)) for r in rows)
-    it = iter(leaves)
-    return tuple(ScalingState(next(it), next(it)) for _ in range(3))
-
-
-def _given(pair: tuple, spec: CastSpec, dtype: torch.dtype) -> Fp8Tensor:
-    # Views, not the inputs themselves: an autograd.Function output that is saved must not be an
-    # input returned as it is.
-    return Fp8Tensor(pair[0].view_as(pair[0]), pair[1].view_as(pair[1]), Fp8Meta(spec, dtype, None))
-
-
-def _cast_operand(t, spec: CastSpec, given: dict, name: str, state, transpose: bool, p: LinearPlan):
-    """(cast, its transposed copy or None, amax recorded or None) of the forward's ``x`` / ``w``.
-    Compiled, x's tensorwise amax fuses into the kernel that makes x; a weight, which the
-    compiled region is given, keeps the amax kernel."""
-    if given:
-        return _given(given[name], spec, t.dtype), None, None
-    if state is not None:
-        return cast_delayed(t, spec, state.scale, transpose=transpose, kernels=p.kernels)
-    q, q_t = cast(t, spec, transpose=transpose, kernels=p.kernels, fuse_amax=name == "x")
-    return q, q_t, None
+    state_inputs = tuple(it)
+    states = linear_states(state_inputs, layout.packed_state) if layout.delayed else None
+    return _Inputs(w, x, states, state_inputs)
 
 
 class _LinearFn(torch.autograd.Function):
-    """Outputs: y; the x and w payloads the backward reads (non-differentiable); with delayed
-    scaling, the six state tensors passed on, packed in one vector (differentiable: its gradient
-    is the later uses' new states; one output, so one tangent), and the x and w amaxes recorded
-    (non-differentiable)."""
+    """The FP8 linear: inputs ``(x, weight, bias, plan, layout, *leaves)`` (``_Inputs``), outputs
+    ``_Outputs``, saved tensors ``_Saved``."""
 
     @staticmethod
     def forward(x, weight, bias, p: LinearPlan, layout: _Layout, *leaves):
-        gw, gx, states = _unpack(layout, x, leaves)
+        gw, gx, states, _ = _read_inputs(layout, x, leaves)
         xs, ws = operand(p, "x"), operand(p, "w")
         tx, tw = layout.transposes
         x2 = x if gx else x.reshape(-1, x.shape[-1])  # given casts: x only routes the gradient
-        qx, qx_t, x_amax = _cast_operand(x2, xs.first, gx, "x", states and states[0], tx, p)
-        w_state = states[1] if states is not None and p.delayed.weight else None
-        qw, qw_t, w_amax = _cast_operand(weight, ws.first, gw, "w", w_state, tw, p)
+        x_scale = None if states is None else states.input.scale
+        w_scale = states.weight.scale if states is not None and p.delayed.weight else None
+        qx, qx_t, x_amax = cast_operand(x2, xs.first, gx.get("x"), x_scale, tx, p, fuse_amax=True)
+        qw, qw_t, w_amax = cast_operand(weight, ws.first, gw.get("w"), w_scale, tw, p)
         y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=p.output.path, fast_accum=p.output.fast_accum)
         qx = qx if qx_t is None else qx_t  # what the backward reads
         qw = qw if qw_t is None else qw_t
-        out = (y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale)
+        out = _Outputs(y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale)
         if states is None:
-            return out
-        # plain: a replicated DTensor state (TP) would make the passed-on state a DTensor output, whose
-        # tangent torch.compile expects as a DTensor even when no later use gives it one
+            return out.flat()
+        # full tensors: a replicated distributed state (TP) would make the passed-on state a DTensor
+        # output, whose tangent torch.compile expects as a DTensor even when no later use gives it one
         passed = (leaves[-1].clone() if layout.packed_state else
-                  torch.cat([_plain(t).reshape(-1) for st in states for t in st]))
+                  torch.cat([full_tensor(t).reshape(-1) for st in states for t in st]))
         # the amaxes as outputs of their own (saved for the backward): no kernel to put them together
-        return out + (passed, _plain(x_amax), _plain(qx.scale.new_zeros(1) if w_amax is None else w_amax))
+        w_amax = qx.scale.new_zeros(1) if w_amax is None else w_amax
+        return out._replace(state=passed, x_amax=full_tensor(x_amax), w_amax=full_tensor(w_amax)).flat()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, p, layout, *leaves = inputs
-        gw, gx, states = _unpack(layout, x, leaves)
-        _, qx_data, qx_scale, qw_data, qw_scale, *rest = output
-        ctx.mark_non_differentiable(qx_data, qx_scale, qw_data, qw_scale, *rest[1:])
+        given = _read_inputs(layout, x, leaves)
+        out = _Outputs(*output)
+        recorded = () if out.state is None else (out.x_amax, out.w_amax)
+        ctx.mark_non_differentiable(out.x_data, out.x_scale, out.w_data, out.w_scale, *recorded)
         ctx.plan, ctx.layout = p, layout
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        x_kind, x_saved = _saved(operand(p, "x"), p.grad_weight.hp, gx, "x", layout.transposes[0],
-                                 (qx_data, qx_scale), x)
-        w_kind, w_saved = _saved(operand(p, "w"), p.grad_input.hp, gw, "w", layout.transposes[1],
-                                 (qw_data, qw_scale), weight)
-        if x_kind == "missing":
+        x_kind, x_kept = _saved(operand(p, "x"), p.grad_weight.hp, given.x_given, "x", layout.transposes[0],
+                                (out.x_data, out.x_scale), x)
+        w_kind, w_kept = _saved(operand(p, "w"), p.grad_input.hp, given.w_given, "w", layout.transposes[1],
+                                (out.w_data, out.w_scale), weight)
+        if x_kind is _Kept.MISSING:
             raise ValueError(f"linear: plan {p.name!r} needs the input itself or its 'x_t' cast in the backward.")
         ctx.x_kind, ctx.w_kind = x_kind, w_kind
-        state_saved = () if states is None else (*leaves[len(leaves) - layout.n_state:], *rest[1:])
-        ctx.save_for_backward(*x_saved, *w_saved, *state_saved)
+        ctx.save_for_backward(*_Saved(x_kept, w_kept, out.x_amax, out.w_amax, given.state_inputs).flat())
 
     @staticmethod
-    def backward(ctx, dy, *grads):
+    def backward(ctx, *grads):
         p: LinearPlan = ctx.plan
-        saved = ctx.saved_tensors
-        x_saved, w_saved, state_saved = saved[:2], saved[2:4], saved[4:]
-        states = _states(ctx.layout, state_saved[:-2]) if state_saved else None
-        dy2, dy_given = _grad_output(dy, ctx)
+        layout: _Layout = ctx.layout
+        saved, g = _Saved.of(ctx.saved_tensors), _Outputs(*grads)
+        states = linear_states(saved.state, layout.packed_state) if layout.delayed else None
+        dy2, dy_given = _grad_output(g.y, ctx)
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        qdy, qdy_t, dy_amax = _cast_grad_output(dy2, dy_given, states and states[2],
+        dy_scale = None if states is None else states.grad_output.scale
+        qdy, qdy_t, dy_amax = cast_grad_output(dy2, dy_given, dy_scale,
                                                 need_dx and not p.grad_input.hp, need_dw and not p.grad_weight.hp, p)
         if need_dx:
             if p.grad_input.hp:
-                dx = (dy2.to(ctx.x_dtype) @ w_saved[0].to(ctx.x_dtype)).reshape(ctx.x_shape)
+                dx = (dy2.to(ctx.x_dtype) @ saved.w[0].to(ctx.x_dtype)).reshape(ctx.x_shape)
             else:
-                b = _operand_for_backward(ctx.w_kind, w_saved, operand(p, "w"), ctx.w_dtype, qdy)  # [N, K] along N
+                b = _operand_for_backward(ctx.w_kind, saved.w, operand(p, "w"), ctx.w_dtype, qdy)  # [N, K] along N
                 dx = gemm(qdy, b, out_dtype=ctx.x_dtype, path=p.grad_input.path,
                           fast_accum=p.grad_input.fast_accum).reshape(ctx.x_shape)
         if need_dw:
             if p.grad_weight.hp:
-                x2 = x_saved[0].reshape(-1, x_saved[0].shape[-1])
+                x2 = saved.x[0].reshape(-1, saved.x[0].shape[-1])
                 dw = dy2.t().to(x2.dtype) @ x2
             else:
-                b = _operand_for_backward(ctx.x_kind, x_saved, operand(p, "x"), ctx.x_dtype, None)  # [M, K] along M
+                b = _operand_for_backward(ctx.x_kind, saved.x, operand(p, "x"), ctx.x_dtype, None)  # [M, K] along M
                 dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=p.grad_weight.path, fast_accum=p.grad_weight.fast_accum)
             dw = dw.to(ctx.w_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
@@ -185,8 +226,8 @@ class _LinearFn(torch.autograd.Function):
                 raise ValueError("fp8func: a grad_output gathered in FP8 cannot give a bias gradient; "
                                  "use the stock RowwiseParallel for layers with a bias.")
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        given = (None,) * ctx.layout.n_given
-        nexts = () if states is None else _next_states(ctx, states, state_saved, grads[4], dy_amax)
+        given = (None,) * layout.n_given
+        nexts = () if states is None else _next_states(p, layout, saved, g.state, dy_amax)
         return (dx, dw, db, None, None, *given, *nexts)
 
     @staticmethod
@@ -209,37 +250,35 @@ class _LinearFn(torch.autograd.Function):
         return stacked, (0,) * len(stacked)
 
 
-def _saved(casts, hp: bool, given: dict, name: str, wrote_t: bool, payload: tuple, hp_tensor) -> tuple[str, tuple]:
-    """What the backward keeps of one operand: (kind, two tensors). Kinds: "cast" (the forward's
-    cast, reused), "cast_t" (the transposed copy the forward wrote), "given" (the transposed-GEMM
-    cast made elsewhere), "hp" (the tensor itself, cast in the backward or used in high precision)."""
+def _saved(casts, hp: bool, given: dict, name: str, wrote_t: bool, payload: tuple, hp_tensor) -> tuple[_Kept, tuple]:
+    """What the backward keeps of one operand: (kind, two tensors)."""
     if hp:
-        return ("hp", (hp_tensor, hp_tensor)) if not given else ("missing", ())
+        return (_Kept.HP, (hp_tensor, hp_tensor)) if not given else (_Kept.MISSING, (None, None))
     if given:
         if name + ".T" in given:  # the transposed copy made with the given cast (input_casts)
-            return "cast_t", given[name + ".T"]
+            return _Kept.CAST_T, given[name + ".T"]
         if casts.reuses:
-            return "cast", payload
+            return _Kept.CAST, payload
         t_name = name + "_t"
-        return ("given", given[t_name]) if t_name in given else ("missing", ())
+        return (_Kept.GIVEN, given[t_name]) if t_name in given else (_Kept.MISSING, (None, None))
     if wrote_t:
-        return "cast_t", payload
+        return _Kept.CAST_T, payload
     if casts.reuses:
-        return "cast", payload
-    return "hp", (hp_tensor, hp_tensor)
+        return _Kept.CAST, payload
+    return _Kept.HP, (hp_tensor, hp_tensor)
 
 
-def _operand_for_backward(kind: str, saved: tuple, casts, dtype, qdy) -> Fp8Tensor:
+def _operand_for_backward(kind: _Kept, saved: tuple, casts, dtype, qdy) -> Fp8Tensor:
     """The backward GEMM's ``b`` from what the forward kept: ``[N, K]`` along N for w (grad_input),
     ``[M, K]`` along M for x (grad_weight)."""
     a, b = saved
-    if kind == "cast":
+    if kind is _Kept.CAST:
         return Fp8Tensor(a, b, Fp8Meta(casts.first, dtype, None))
-    if kind == "cast_t":  # a row-major [K, *] copy: its transpose is column-major, as scaled_mm's b
+    if kind is _Kept.CAST_T:  # a row-major [K, *] copy: its transpose is column-major, as scaled_mm's b
         return Fp8Tensor(a, b, Fp8Meta(casts.first, dtype, None)).t()
     spec = transposed(casts.second)  # the second cast, written on the operand's own layout
-    if kind == "given":
-        return Fp8Tensor(_given_in_backward(a, qdy.scale) if qdy is not None else a, b, Fp8Meta(spec, dtype, None))
+    if kind is _Kept.GIVEN:  # read as the layer that made it asks (fp8func._hooks.read_given)
+        return Fp8Tensor(read_given(a, qdy.scale) if qdy is not None else a, b, Fp8Meta(spec, dtype, None))
     t = a.reshape(-1, a.shape[-1])
     return cast(t.t(), casts.second)[0].t()  # cast along the other axis: quantize t.T, view it back
 
@@ -252,134 +291,17 @@ def _grad_output(dy, ctx) -> tuple[torch.Tensor, dict | None]:
     return (dy.reshape(-1, dy.shape[-1]) if dy_given is None else dy), dy_given
 
 
-def _cast_grad_output(dy2, given, state, want_first: bool, want_second: bool, p: LinearPlan):
-    """(dy along N for grad_input, dy.T along M for grad_weight, dy's amax (delayed) or None)."""
-    casts = operand(p, "dy")
-    if given is not None:
-        qdy = given["dy"] if want_first or casts.reuses else None
-        second = given.get("dy_t", given["dy"]).t() if want_second else None
-        return qdy, second, None
-    if not (want_first or want_second):
-        return None, None, None
-    if state is not None:
-        qdy, qdy_t, amax = cast_delayed(dy2, casts.first, state[1], transpose=want_second, kernels=p.kernels)
-        return qdy, qdy_t, amax
-    if casts.first == casts.second:  # one call, one amax: [M, N] along N and [N, M] along M
-        return cast(dy2, casts.first, transpose=want_second, kernels=p.kernels, fuse_amax=True)[:2] + (None,)
-    qdy = cast(dy2, casts.first, kernels=p.kernels)[0] if want_first else None
-    qdy_t = cast(dy2.t(), casts.second, kernels=p.kernels)[0] if want_second else None
-    return qdy, qdy_t, None
-
-
-def _next_states(ctx, states: tuple[ScalingState, ...], saved: tuple, passed_grad, dy_amax) -> tuple:
-    """The gradients of the state inputs: each state after this use's amax is recorded
-    (``record_merged``). Six tensors, ``None`` for a state this plan does not record (a dynamic
-    weight); or one packed tensor, where such a state comes back unchanged.
-    ``passed_grad``: the gradient of the packed state this use passed on (zeros, or None, when
-    no later use read it)."""
-    p: LinearPlan = ctx.plan
-    layout: _Layout = ctx.layout
-    x_amax, w_amax = saved[-2:]
-    if isinstance(passed_grad, DTensor):  # a state is replicated; under TP its gradient may come as a DTensor
-        passed_grad = passed_grad.full_tensor()
-    algo, sharding = p.delayed.algo, layout.sharding
-    recorded = (_global_amax(x_amax, sharding), None if not p.delayed.weight else _global_amax(w_amax, None),
-                None if dy_amax is None else _global_amax(dy_amax, sharding))
+def _next_states(p: LinearPlan, layout: _Layout, saved: _Saved, passed_grad, dy_amax) -> tuple:
+    """The gradients of the state inputs (``next_linear_states``): x's and dy's amaxes reduced
+    over the layout's row split, w's when the plan records it."""
+    sharding = layout.sharding
+    recorded = (global_amax(saved.x_amax, sharding), global_amax(saved.w_amax) if p.delayed.weight else None,
+                None if dy_amax is None else global_amax(dy_amax, sharding))
     specs = (operand(p, "x").first, operand(p, "w").first, operand(p, "dy").first)
-    rows = [i for i, a in enumerate(recorded) if a is not None]  # the states this plan records
-    if layout.packed_state:  # the three states as the rows of one [3, L + 1] tensor, in one computation
-        n = layout.packed_state
-        mine = saved[0].view(3, n + 1)
-        theirs = mine.new_zeros(3, n + 1) if passed_grad is None else passed_grad.view(3, n + 1)
-        # [3, 1] without a concatenation (a state not recorded takes x's amax: its row is not kept)
-        row = torch.arange(3, device=mine.device).reshape(3, 1)
-        x_a, w_a, dy_a = (recorded[0] if a is None else a for a in recorded)
-        new = record_merged_packed(mine, theirs, torch.where(row == 0, x_a, torch.where(row == 1, w_a, dy_a)),
-                                   specs, algo)
-        if len(rows) < 3:
-            new = torch.where(torch.tensor([[i in rows] for i in range(3)], device=mine.device), new, mine)
-        return (new.reshape(-1),)
-    mine = tuple(tuple(map(_plain, st)) for st in states)
-    incoming = _unpack_state(passed_grad, tuple(t for st in mine for t in st))
-    theirs = tuple(zip(incoming[0::2], incoming[1::2]))
-    out = [None] * 6
-    if len({mine[i][0].numel() for i in rows}) > 1:  # histories of different lengths: one at a time
-        for i in rows:
-            st = record_merged(ScalingState(*mine[i]), ScalingState(*theirs[i]), recorded[i], specs[i], algo)
-            out[2 * i], out[2 * i + 1] = st
-        return tuple(out)
-    pack = lambda sts: torch.stack([torch.cat([h.reshape(-1), s.reshape(-1)]) for h, s in sts])  # noqa: E731
-    new = record_merged_packed(pack([mine[i] for i in rows]), pack([theirs[i] for i in rows]),
-                               torch.cat([recorded[i] for i in rows]), tuple(specs[i] for i in rows), algo)
-    for j, i in enumerate(rows):
-        out[2 * i], out[2 * i + 1] = new[j, :-1], new[j, -1:].reshape(1, 1)
-    return tuple(out)
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor's values (a state or an amax is the same on every rank)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _unpack_state(flat, like: tuple) -> tuple:
-    """The six state tensors packed in ``flat`` (zeros when ``flat`` is None), shaped as ``like``."""
-    if flat is None:
-        return tuple(torch.zeros_like(_plain(t)) for t in like)
-    out, i = [], 0
-    for t in like:
-        out.append(flat[i:i + t.numel()].view(t.shape))
-        i += t.numel()
-    return tuple(out)
-
-
-def _global_amax(amax: torch.Tensor, sharding: Sharding | None) -> torch.Tensor:
-    """The amax of the logical tensor: a DTensor's over its mesh (TP), then over ``sharding``'s
-    row split (the data-parallel ranks' batches) when given."""
-    if isinstance(amax, DTensor):
-        amax = amax.full_tensor()
-    amax = amax.reshape(1)
-    if sharding is not None:
-        amax = reduce_amax(amax, sharding.mesh, sharding.amax_mesh_dims(TensorWise(), (2, 2)))
-    return amax
+    return next_linear_states(saved.state, layout.packed_state, passed_grad, recorded, specs, p.delayed.algo)
 
 
 torch._dynamo.allow_in_graph(_LinearFn)
-
-
-@torch.library.custom_op("fp8func::read_in_backward", mutates_args=())
-def _read_in_backward(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """A copy of the 2-D ``t`` made once ``grad`` exists: in the backward, never hoisted into the
-    forward. Column-major, the layout in which the grad_input GEMM reads it as ``b`` (scaled_mm
-    would copy a row-major one again)."""
-    return t.t().contiguous().t()
-
-
-@_read_in_backward.register_fake
-def _(t, grad):
-    return t.new_empty_strided(tuple(t.shape), (1, t.shape[0]))
-
-
-def _given_in_backward(t: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tensor:
-    """A weight cast FSDP2 fills only before the backward (row-wise ``w_t`` under
-    ``reshard_after_forward``: the forward's all-gather carried ``w``; FSDP2 refills the buffer,
-    which the autograd context holds, in its pre-backward hook), read no earlier than that.
-
-    Eager, the backward reads the saved tensor when it runs, after the refill. Compiled,
-    AOTAutograd's partitioner may compute an op that depends only on forward inputs in the
-    forward graph and save its result, since nothing in the graph says the buffer changes in
-    between; it would then read the forward's ``w`` bytes with ``w_t``'s scales. An opaque op
-    that also takes something of the gradient cannot run before the gradient exists. It takes the
-    grad_output cast's scale, an fp32 tensor the GEMM reads anyway (given ``dy`` itself, inductor
-    would store the bf16 ``dy`` that it otherwise fuses unrounded into the cast).
-    """
-    if not tracing():
-        return t
-    dep = grad_scale.to_local() if isinstance(grad_scale, DTensor) else grad_scale
-    if isinstance(t, DTensor):
-        # shape and stride given: computing them is a graph break (torch._C's global tensor info)
-        return DTensor.from_local(_read_in_backward(t.to_local(), dep), t.device_mesh, t.placements,
-                                  run_check=False, shape=t.shape, stride=(1, t.shape[0]))
-    return _read_in_backward(t, dep)
 
 
 def _check_args(x, weight, bias, p: LinearPlan) -> None:
@@ -394,49 +316,6 @@ def _check_args(x, weight, bias, p: LinearPlan) -> None:
     why = untileable(p, m, k, n)
     if why:
         raise ValueError(f"linear with plan {p.name!r} on M={m}, K={k}, N={n}: {why}")
-
-
-def _leaves(group: dict[str, Fp8Tensor] | None, wanted: list, what: str, p: LinearPlan) -> tuple[tuple, tuple]:
-    """(names, flat (data, scale) leaves) of casts made elsewhere, checked against the plan's."""
-    if group is None:
-        return (), ()
-    names = [name for name, _ in wanted]
-    if what == "input" and "x.T" in group and takes_x_copy(p):
-        names = ["x", "x.T"]  # input_casts: the forward's cast and its transposed copy
-    if sorted(group) != sorted(names):
-        raise ValueError(f"linear: plan {p.name!r} needs {what} casts {names}, got {sorted(group)} "
-                         "(make them with fp8func.input_casts(x, recipe) for this recipe).")
-    return tuple(names), tuple(t for name in names for t in (group[name].data, group[name].scale))
-
-
-def _check_state(state, p: LinearPlan, x, weight) -> None:
-    if not isinstance(state, LinearScalingState):
-        raise TypeError(f"linear_delayed: state={type(state).__name__}; expected a LinearScalingState, e.g. "
-                        "fp8func.LinearScalingState.init(history_len).requires_grad_().")
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        return  # checked when the same code runs eagerly; no update is due without grad
-    tracked = [t.requires_grad for st in state for t in st]
-    if (x.requires_grad or weight.requires_grad) and not all(tracked):
-        raise ValueError(
-            "linear_delayed: the next step's scaling state comes back as the gradient of `state`, but its tensors "
-            "do not require grad, so the update would be lost. Differentiate with respect to the state "
-            "(torch.func.grad(loss, argnums=(..., <state>)) or state.requires_grad_() and read .grad), or run "
-            "the forward under torch.no_grad() when no state update is wanted."
-        )
-    consume(state, "linear_delayed")
-
-
-def _check_packed_state(flat: torch.Tensor, x, weight) -> int:
-    """The history length of a packed state (see ``fp8_linear``), or raises."""
-    n = flat.numel()
-    if isinstance(flat, DTensor) or flat.ndim != 1 or flat.dtype != torch.float32 or n % 3 or n < 6:
-        raise ValueError(f"fp8_linear: a packed state is {type(flat).__name__} {tuple(flat.shape)} {flat.dtype}; "
-                         "expected a plain float32 [3 * (L + 1)] tensor (the six state tensors concatenated).")
-    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not flat.requires_grad \
-            and (x.requires_grad or weight.requires_grad):
-        raise ValueError("fp8_linear: the packed state does not require grad, so its update (its gradient) would "
-                         "be lost; make it require grad, or run the forward under torch.no_grad().")
-    return n // 3 - 1
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe, *,
@@ -467,29 +346,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError("fp8func: delayed scaling casts the input (and, unless DelayedScaling(weight=False), the "
                          "weight) itself; use the stock TP styles, and fsdp_fp8_all_gather=False or "
                          "DelayedScaling(weight=False) with a delayed recipe.")
-    w_names, w_leaves = _leaves(w_casts, weight_casts(p), "weight", p)
-    x_names, x_leaves = _leaves(x_casts, activation_casts(p), "input", p)
+    w_names, w_leaves = given_leaves(w_casts, "weight", p)
+    x_names, x_leaves = given_leaves(x_casts, "input", p)
     if x_inside:
         x_names = tuple(name for name, _ in activation_casts(p))
     states, packed_len = (), 0
     if isinstance(state, torch.Tensor):
-        packed_len = _check_packed_state(state, x, weight)
+        packed_len = packed_history_len(state, x, weight)
         states = (state,)
     elif state is not None:
-        _check_state(state, p, x, weight)
+        check_linear_state(state, x, weight)
         states = tuple(t for st in state for t in st)
     layout = _Layout(w_names, x_names, state is not None, packed_len,
                      forward_transposes(x, weight, p, bool(x_names), bool(w_names)),
                      amax_sharding if state is not None else None, x_inside)
-    out = _LinearFn.apply(x, weight, bias, p, layout, *w_leaves, *x_leaves, *states)
+    out = _Outputs(*_LinearFn.apply(x, weight, bias, p, layout, *w_leaves, *x_leaves, *states))
     if state is None:
-        return out[0], None
-    return out[0], out[5] if packed or packed_len else unpack_state(out[5], state)
-
-
-def unpack_state(flat: torch.Tensor, like: LinearScalingState) -> LinearScalingState:
-    """The state packed in ``flat`` (``fp8_linear(..., packed=True)``), shaped as ``like``."""
-    return LinearScalingState.from_tensors(_unpack_state(flat, like.tensors()))
+        return out.y, None
+    return out.y, out.state if packed or packed_len else unpack_state(out.state, state)
 
 
 def linear(

@@ -4,33 +4,26 @@
 Triton kernels where they apply, bitwise either way; ``cast_delayed`` the same with a given
 scale and the amax recorded; ``weight_casts`` / ``activation_casts`` / ``grad_output_casts``
 name the casts a plan consumes (what FSDP2's fp8 all-gather and the FP8 sequence gathers make
-ahead of the layer); ``forward_transposes`` says which transposed copies the forward writes
-for the backward. Every decision reads the layer's ``LinearPlan``.
+ahead of the layer; ``given_leaves`` checks such casts against the plan); ``forward_transposes``
+says which transposed copies the forward writes for the backward; ``cast_operand`` and
+``cast_grad_output`` are the linear op's casts of its operands, given, delayed or dynamic. Every
+decision reads the layer's ``LinearPlan``. A distributed tensor's eager cast runs as the
+distributed layer registered it (``fp8func._hooks``).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
 
-from ._formats import tracing
+from ._hooks import cast_distributed, is_distributed
 from ._ops import quantize, quantize_with_scale
 from ._plan import LinearPlan, operand, plan, transposed
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import (
-    AxisWise,
-    BlockWise,
-    CastSpec,
-    Recipe,
-    TensorWise,
-    compute_amax,
-    compute_scale,
-    raw_block_lengths,
-    scale_shape,
-)
+from ._scaling import AxisWise, BlockWise, CastSpec, Recipe, TensorWise, compute_amax, compute_scale
 from ._sharding import Sharding, reduce_amax
 
-__all__ = ["activation_casts", "grad_output_casts", "input_casts", "weight_casts"]
+__all__ = ["activation_casts", "cast_grad_output", "cast_operand", "given_cast", "given_leaves", "grad_output_casts",
+           "input_casts", "weight_casts"]
 
 
 def _has_kernel(g) -> bool:
@@ -48,9 +41,7 @@ def _has_kernel(g) -> bool:
 def _kernel_tensor(t: torch.Tensor, kernels: str) -> bool:
     """Whether the kernels take ``t``: a plain contiguous 2-D bf16 / fp32 tensor, on CUDA (or
     anywhere with ``kernels="reference"``)."""
-    from torch.distributed.tensor import DTensor
-
-    if kernels == "off" or isinstance(t, DTensor) or t.ndim != 2 or not t.is_contiguous():
+    if kernels == "off" or is_distributed(t) or t.ndim != 2 or not t.is_contiguous():
         return False
     if t.dtype not in (torch.bfloat16, torch.float32):
         return False
@@ -87,49 +78,6 @@ def scale_for_cast(t: torch.Tensor, spec: CastSpec, sharding: tuple[Sharding, ..
     return compute_scale(amax, spec.dtype, spec.pow2_scales)
 
 
-def _dtensor_kernels(t, spec: CastSpec, transpose: bool, kernels: str) -> bool:
-    """Whether an eager cast of DTensor ``t`` runs the kernels on its local shard (``_cast_dtensor``).
-
-    Eager only: compiled, inductor fuses the DTensor casts into the graph around them. Shard /
-    Replicate placements (a Partial tensor's amax says nothing about the sum's); a transposed
-    copy for tensorwise only (the other granularities take other groups for ``t.T``)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(t, DTensor) or tracing() or (transpose and not isinstance(
-            spec.granularity, TensorWise)):
-        return False
-    if not all(isinstance(p, (Shard, Replicate)) for p in t.placements):
-        return False
-    return use_kernels(t.to_local(), spec, kernels)
-
-
-def _cast_dtensor(t, spec: CastSpec, transpose: bool, kernels: str) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-    """``cast`` of a DTensor: its local shard through the kernels with the amax reduced over the
-    mesh dims that split a scale group, rewrapped with the placements ``quantize`` gives (data as
-    ``t``; a scale split like the data where its groups lie within shards, else replicated)."""
-    from torch.distributed.tensor import DTensor
-
-    local, mesh = t.to_local(), t.device_mesh
-    sharding = Sharding(mesh, tuple(t.placements))  # amax_mesh_dims raises for a block straddling shards
-    q, q_t = cast(local, spec, transpose, sharding=(sharding,), kernels=kernels)
-
-    def wrap(x: torch.Tensor, placements, shape) -> DTensor:
-        shape = tuple(shape)
-        return DTensor.from_local(x, mesh, placements, run_check=False, shape=shape, stride=(shape[1], 1))
-
-    blocks = raw_block_lengths(spec.granularity, tuple(local.shape))
-    scale_placements = tuple(Shard(p.dim) if isinstance(p, Shard) and blocks[p.dim % 2] is not None else Replicate()
-                             for p in t.placements)
-    meta = Fp8Meta(spec, t.dtype, None)
-    out = Fp8Tensor(wrap(q.data, t.placements, t.shape),
-                    wrap(q.scale, scale_placements, scale_shape(spec.granularity, tuple(t.shape))), meta)
-    if not transpose:
-        return out, None
-    n, m = t.shape  # tensorwise: the transposed shards, the same replicated scale
-    out_t = Fp8Tensor(wrap(q_t.data, sharding.transpose(2, 0, 1).placements, (m, n)), out.scale, meta)
-    return out, out_t
-
-
 def cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False, sharding: tuple[Sharding, ...] = (),
           kernels: str = "auto", fuse_amax: bool = False) -> tuple[Fp8Tensor, Fp8Tensor | None]:
     """``quantize(t, spec, sharding=sharding)`` and, with ``transpose``, ``quantize(t.T, spec)``
@@ -138,9 +86,13 @@ def cast(t: torch.Tensor, spec: CastSpec, transpose: bool = False, sharding: tup
     ``sharding``); where it needs reducing, the kernels run the amax and the cast as two launches
     around the reduction (a transposed copy then only for tensorwise / square blocks).
     ``fuse_amax``: ``t`` is computed in the region being compiled (an activation, a gradient), so
-    a tensorwise amax goes to inductor, fused into its producer (``fp8func.kernels.quantize``)."""
-    if not sharding and _dtensor_kernels(t, spec, transpose, kernels):
-        return _cast_dtensor(t, spec, transpose, kernels)
+    a tensorwise amax goes to inductor, fused into its producer (``fp8func.kernels.quantize``).
+    A distributed ``t`` (eager) casts its local shard as the distributed layer registered
+    (``fp8func._hooks``)."""
+    if not sharding:
+        done = cast_distributed(t, spec, transpose, kernels)
+        if done is not None:
+            return done
     mesh_dims = [(sh, sh.amax_mesh_dims(spec.granularity, tuple(t.shape))) for sh in sharding]
     reduced = any(dims for _, dims in mesh_dims)
     if use_kernels(t, spec, kernels) and not (reduced and transpose and not _transpose_invariant(spec)):
@@ -209,6 +161,64 @@ def cast_delayed(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor, transpose
     meta = Fp8Meta(spec, t.dtype, None)
     q_t = Fp8Tensor(data_t, poisoned, meta) if transpose else None
     return Fp8Tensor(data, poisoned, meta), q_t, amax.reshape(1).float()
+
+
+def given_cast(pair: tuple, spec: CastSpec, dtype: torch.dtype) -> Fp8Tensor:
+    """The cast ``(data, scale)`` made elsewhere, as an ``Fp8Tensor`` of ``spec``."""
+    # Views, not the inputs themselves: an autograd.Function output that is saved must not be an
+    # input returned as it is.
+    return Fp8Tensor(pair[0].view_as(pair[0]), pair[1].view_as(pair[1]), Fp8Meta(spec, dtype, None))
+
+
+def cast_operand(t: torch.Tensor, spec: CastSpec, given: tuple | None, scale: torch.Tensor | None,
+                 transpose: bool, p: LinearPlan, fuse_amax: bool = False):
+    """(cast, its transposed copy or None, amax recorded or None) of a linear's forward operand
+    ``t``: the ``(data, scale)`` pair ``given`` made elsewhere, else a delayed cast with the
+    state's ``scale``, else a dynamic one (``fuse_amax``: as ``cast``'s; compiled, x's tensorwise
+    amax fuses into the kernel that makes x, while a weight, which the compiled region is given,
+    keeps the amax kernel)."""
+    if given is not None:
+        return given_cast(given, spec, t.dtype), None, None
+    if scale is not None:
+        return cast_delayed(t, spec, scale, transpose=transpose, kernels=p.kernels)
+    q, q_t = cast(t, spec, transpose=transpose, kernels=p.kernels, fuse_amax=fuse_amax)
+    return q, q_t, None
+
+
+def cast_grad_output(dy2: torch.Tensor, given: dict | None, scale: torch.Tensor | None, want_first: bool,
+                     want_second: bool, p: LinearPlan):
+    """A linear's backward casts of ``dy2 [M, N]``: (dy along N for grad_input, dy.T along M for
+    grad_weight, dy's amax or None), from the casts ``given`` (gathered in FP8), else a delayed
+    cast with the state's ``scale``, else dynamic ones; each only where wanted."""
+    casts = operand(p, "dy")
+    if given is not None:
+        qdy = given["dy"] if want_first or casts.reuses else None
+        second = given.get("dy_t", given["dy"]).t() if want_second else None
+        return qdy, second, None
+    if not (want_first or want_second):
+        return None, None, None
+    if scale is not None:
+        qdy, qdy_t, amax = cast_delayed(dy2, casts.first, scale, transpose=want_second, kernels=p.kernels)
+        return qdy, qdy_t, amax
+    if casts.first == casts.second:  # one call, one amax: [M, N] along N and [N, M] along M
+        return cast(dy2, casts.first, transpose=want_second, kernels=p.kernels, fuse_amax=True)[:2] + (None,)
+    qdy = cast(dy2, casts.first, kernels=p.kernels)[0] if want_first else None
+    qdy_t = cast(dy2.t(), casts.second, kernels=p.kernels)[0] if want_second else None
+    return qdy, qdy_t, None
+
+
+def given_leaves(group: dict[str, Fp8Tensor] | None, what: str, p: LinearPlan) -> tuple[tuple, tuple]:
+    """(names, flat (data, scale) leaves) of a linear's ``what`` ("weight" / "input") casts made
+    elsewhere, checked against the plan's (``weight_casts`` / ``activation_casts``)."""
+    if group is None:
+        return (), ()
+    names = [name for name, _ in (weight_casts(p) if what == "weight" else activation_casts(p))]
+    if what == "input" and "x.T" in group and takes_x_copy(p):
+        names = ["x", "x.T"]  # input_casts: the forward's cast and its transposed copy
+    if sorted(group) != sorted(names):
+        raise ValueError(f"linear: plan {p.name!r} needs {what} casts {names}, got {sorted(group)} "
+                         "(make them with fp8func.input_casts(x, recipe) for this recipe).")
+    return tuple(names), tuple(t for name in names for t in (group[name].data, group[name].scale))
 
 
 def _transpose_invariant(spec: CastSpec) -> bool:

@@ -17,6 +17,8 @@ gradient": the new state arrives as the *gradient* of the state input, and a sta
 through several uses in one step (``y1, s = linear_delayed(x1, w, ..., s); y2, s =
 linear_delayed(x2, w, ..., s)``) records the max of their amaxes as one history entry
 (``record_merged``). Reusing a state that a call already consumed is refused (``consume``).
+The op reads its state inputs with ``linear_states`` and returns ``next_linear_states`` as their
+gradients.
 """
 
 from __future__ import annotations
@@ -25,15 +27,17 @@ import weakref
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ._formats import fp8_max, round_up_to_pow2
+from ._hooks import full_tensor, is_distributed
 from ._ops import check_hp, quantize_with_scale
 from ._qtensor import Fp8Tensor
 from ._scaling import AMAX_ALGOS, EPS, CastSpec, TensorWise, compute_amax, compute_scale
 from ._sharding import Sharding, reduce_amax
 
-__all__ = ["ScalingState", "LinearScalingState", "quantize_delayed", "record_merged", "consume", "refresh"]
+__all__ = ["ScalingState", "LinearScalingState", "quantize_delayed", "record_merged", "consume", "refresh",
+           "check_linear_state", "global_amax", "linear_states", "next_linear_states", "packed_history_len",
+           "unpack_state"]
 
 
 class ScalingState(NamedTuple):
@@ -136,16 +140,22 @@ def next_state(state: ScalingState, amax: torch.Tensor, spec: CastSpec, algo: st
     history shifted by one, the scale remade from it (see the module docstring). With ``sharding``
     the amax of a local shard of ``shape`` is first reduced over the mesh dims that split it."""
     history, scale = state
-    if isinstance(amax, DTensor):  # the amax of a DTensor (TP): the global value, on every rank
-        amax = amax.full_tensor()
-    amax = amax.reshape(1)
-    if sharding is not None:
-        amax = reduce_amax(amax, sharding.mesh, sharding.amax_mesh_dims(TensorWise(), shape))
+    amax = global_amax(amax, sharding, shape)
     history = torch.cat([amax, history[:-1]])
     basis = history.max() if algo == "max" else amax[0]
     fresh = compute_scale(basis, spec.dtype, spec.pow2_scales).reshape(1, 1)
     usable = torch.isfinite(basis) & (basis > 0)
     return ScalingState(history, torch.where(usable, fresh, scale))
+
+
+def global_amax(amax: torch.Tensor, sharding: Sharding | None = None, shape: tuple[int, ...] = (2, 2)) -> torch.Tensor:
+    """The amax of the logical tensor as one value: a distributed tensor's (TP) over its mesh, the
+    same on every rank (``fp8func._hooks.full_tensor``); then, with ``sharding``, over the mesh
+    dims that split a local shard of ``shape`` (a linear's rows over the data-parallel ranks)."""
+    amax = full_tensor(amax).reshape(1)
+    if sharding is not None:
+        amax = reduce_amax(amax, sharding.mesh, sharding.amax_mesh_dims(TensorWise(), shape))
+    return amax
 
 
 def _rescaled(history: torch.Tensor, basis: torch.Tensor, fallback: torch.Tensor, spec: CastSpec) -> torch.Tensor:
@@ -202,6 +212,111 @@ def record_merged_packed(mine: torch.Tensor, theirs: torch.Tensor, amax: torch.T
         scale = torch.where(torch.tensor([[f] for f in flags], device=basis.device), round_up_to_pow2(scale), scale)
     scale = torch.where(torch.isfinite(basis) & (basis > 0), scale, fallback)
     return torch.where(in_history, new, scale)
+
+
+def linear_states(inputs: tuple, packed_len: int = 0) -> LinearScalingState:
+    """A linear's state from its state inputs: six tensors, or, with ``packed_len`` L, views of
+    one packed ``[3 * (L + 1)]`` tensor whose rows are (history, scale) of x, w and dy."""
+    if packed_len:
+        rows = inputs[0].view(3, packed_len + 1)
+        return LinearScalingState(*(ScalingState(r[:-1], r[-1:].view(1, 1)) for r in rows))
+    return LinearScalingState.from_tensors(inputs)
+
+
+def next_linear_states(inputs: tuple, packed_len: int, passed: torch.Tensor | None, recorded: tuple,
+                       specs: tuple[CastSpec, ...], algo: str = "max") -> tuple:
+    """The gradients of a linear's state inputs (``inputs``, read as ``linear_states`` does): each
+    state after this use's amax is recorded (``record_merged``). Six tensors, ``None`` for a state
+    not recorded (a dynamic weight); or one packed tensor, where such a state comes back unchanged.
+
+    ``passed``: the gradient of the packed state this use passed on (zeros, or None, when no later
+    use read it). ``recorded``: the amaxes of x, w and dy (one value each, ``global_amax``), None
+    for a state not recorded. ``specs``: the three casts' specs.
+    """
+    if passed is not None:  # a state is replicated; under TP its gradient may come as a distributed tensor
+        passed = full_tensor(passed)
+    rows = tuple(i for i, a in enumerate(recorded) if a is not None)  # the states recorded
+    if packed_len:
+        return (_next_packed(inputs[0].view(3, packed_len + 1), passed, recorded, rows, specs, algo),)
+    mine = tuple(tuple(map(full_tensor, st)) for st in linear_states(inputs))
+    incoming = _unpack_states(passed, tuple(t for st in mine for t in st))
+    theirs = tuple(zip(incoming[0::2], incoming[1::2]))
+    out = [None] * 6
+    if len({mine[i][0].numel() for i in rows}) > 1:  # histories of different lengths: one at a time
+        for i in rows:
+            st = record_merged(ScalingState(*mine[i]), ScalingState(*theirs[i]), recorded[i], specs[i], algo)
+            out[2 * i], out[2 * i + 1] = st
+        return tuple(out)
+    pack = lambda sts: torch.stack([torch.cat([h.reshape(-1), s.reshape(-1)]) for h, s in sts])  # noqa: E731
+    new = record_merged_packed(pack([mine[i] for i in rows]), pack([theirs[i] for i in rows]),
+                               torch.cat([recorded[i] for i in rows]), tuple(specs[i] for i in rows), algo)
+    for j, i in enumerate(rows):
+        out[2 * i], out[2 * i + 1] = new[j, :-1], new[j, -1:].reshape(1, 1)
+    return tuple(out)
+
+
+def _next_packed(mine: torch.Tensor, passed: torch.Tensor | None, recorded: tuple, rows: tuple,
+                 specs: tuple[CastSpec, ...], algo: str) -> torch.Tensor:
+    """``next_linear_states`` of the three states as the rows of one ``[3, L + 1]`` tensor, in
+    one computation; flat, as the packed input."""
+    theirs = mine.new_zeros(mine.shape) if passed is None else passed.view(mine.shape)
+    # [3, 1] without a concatenation (a state not recorded takes x's amax: its row is not kept)
+    row = torch.arange(3, device=mine.device).reshape(3, 1)
+    x_a, w_a, dy_a = (recorded[0] if a is None else a for a in recorded)
+    new = record_merged_packed(mine, theirs, torch.where(row == 0, x_a, torch.where(row == 1, w_a, dy_a)),
+                               specs, algo)
+    if len(rows) < 3:
+        new = torch.where(torch.tensor([[i in rows] for i in range(3)], device=mine.device), new, mine)
+    return new.reshape(-1)
+
+
+def check_linear_state(state, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raises unless ``state`` can take a ``linear_delayed`` call on ``x`` and ``weight``: a
+    ``LinearScalingState`` not consumed yet, whose tensors require grad where its update is due
+    (it comes back as their gradient); marks it consumed."""
+    if not isinstance(state, LinearScalingState):
+        raise TypeError(f"linear_delayed: state={type(state).__name__}; expected a LinearScalingState, e.g. "
+                        "fp8func.LinearScalingState.init(history_len).requires_grad_().")
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return  # checked when the same code runs eagerly; no update is due without grad
+    tracked = [t.requires_grad for st in state for t in st]
+    if (x.requires_grad or weight.requires_grad) and not all(tracked):
+        raise ValueError(
+            "linear_delayed: the next step's scaling state comes back as the gradient of `state`, but its tensors "
+            "do not require grad, so the update would be lost. Differentiate with respect to the state "
+            "(torch.func.grad(loss, argnums=(..., <state>)) or state.requires_grad_() and read .grad), or run "
+            "the forward under torch.no_grad() when no state update is wanted."
+        )
+    consume(state, "linear_delayed")
+
+
+def packed_history_len(flat: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> int:
+    """The history length L of a linear's packed state ``[3 * (L + 1)]`` (``fp8_linear``), or raises."""
+    n = flat.numel()
+    if is_distributed(flat) or flat.ndim != 1 or flat.dtype != torch.float32 or n % 3 or n < 6:
+        raise ValueError(f"fp8_linear: a packed state is {type(flat).__name__} {tuple(flat.shape)} {flat.dtype}; "
+                         "expected a plain float32 [3 * (L + 1)] tensor (the six state tensors concatenated).")
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not flat.requires_grad \
+            and (x.requires_grad or weight.requires_grad):
+        raise ValueError("fp8_linear: the packed state does not require grad, so its update (its gradient) would "
+                         "be lost; make it require grad, or run the forward under torch.no_grad().")
+    return n // 3 - 1
+
+
+def unpack_state(flat: torch.Tensor, like: LinearScalingState) -> LinearScalingState:
+    """The state packed in ``flat`` (``fp8_linear(..., packed=True)``), shaped as ``like``."""
+    return LinearScalingState.from_tensors(_unpack_states(flat, like.tensors()))
+
+
+def _unpack_states(flat: torch.Tensor | None, like: tuple) -> tuple:
+    """The six state tensors packed in ``flat`` (zeros when ``flat`` is None), shaped as ``like``."""
+    if flat is None:
+        return tuple(torch.zeros_like(full_tensor(t)) for t in like)
+    out, i = [], 0
+    for t in like:
+        out.append(flat[i:i + t.numel()].view(t.shape))
+        i += t.numel()
+    return tuple(out)
 
 
 # States a linear_delayed call has consumed (eager and torch.func; compiled code is traced once and

@@ -216,6 +216,7 @@ def _dtensor_casts(rank, world_size):
     from torch.distributed.tensor import DTensor
 
     import fp8func._casts as casts_mod
+    import fp8func.distributed._dtensor as dtensor_mod
 
     mesh = init_device_mesh("cpu", (world_size,))
     g = torch.Generator().manual_seed(0)
@@ -223,18 +224,18 @@ def _dtensor_casts(rank, world_size):
     bad = []
 
     calls = {"reference": 0, "off": 0}
-    orig = casts_mod._cast_dtensor
+    orig = dtensor_mod._cast_dtensor
 
     def counted(t, spec, transpose, kernels):
         calls[kernels] += 1
         return orig(t, spec, transpose, kernels)
 
     def run(mode, fn):
-        casts_mod._cast_dtensor = counted
+        dtensor_mod._cast_dtensor = counted
         try:
             return fn(mode)
         finally:
-            casts_mod._cast_dtensor = orig
+            dtensor_mod._cast_dtensor = orig
 
     def full(t):
         return t.full_tensor() if isinstance(t, DTensor) else t
