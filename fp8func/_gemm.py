@@ -15,21 +15,18 @@ which path a call takes; a fallback to emulation on a GPU is logged once per rea
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ._formats import E4M3, E5M2, tracing
+from ._log import warn_once
 from ._ops import dequantize
 from ._qtensor import Fp8Tensor
 from ._scaling import MX, AxisWise, BlockWise, TensorWise, canonical_granularity
 
 __all__ = ["gemm", "gemm_path", "hardware_kind"]
 
-log = logging.getLogger("fp8func")
-_logged: set[str] = set()
 
 
 def hardware_kind(a: Fp8Tensor, b: Fp8Tensor) -> tuple[str | None, str]:
@@ -85,9 +82,7 @@ def _device_supports(kind: str, device: torch.device) -> tuple[bool, str]:
 def log_fallback(reason: str) -> bool:
     # Runs eagerly even under torch.compile (its result is a trace-time constant), so the log
     # line is emitted once per reason per process, compiled or not.
-    if reason not in _logged:
-        _logged.add(reason)
-        log.warning("fp8func: emulated FP8 GEMM on a GPU (%s); expect no FP8 speedup.", reason)
+    warn_once(("emulated gemm", reason), "fp8func: emulated FP8 GEMM on a GPU (%s); expect no FP8 speedup.", reason)
     return True
 
 

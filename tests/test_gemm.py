@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import fp8func as f8
 from fp8func import _gemm
+from fp8func._log import forget
 
 PAIRS = {  # (a granularity on [M, K], b granularity on [K, N])
     "tensorwise": (f8.TensorWise(), f8.TensorWise()),
@@ -121,7 +122,7 @@ def test_hardware_kind_reasons():
 
 
 def test_fallback_logged_once_per_reason(caplog):
-    _gemm._logged.discard("test reason")
+    forget(("emulated gemm", "test reason"))
     with caplog.at_level(logging.WARNING, logger="fp8func"):
         _gemm.log_fallback("test reason")
         _gemm.log_fallback("test reason")

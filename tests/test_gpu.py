@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fp8func as f8
-from fp8func import _gemm
+from fp8func._log import forget
 
 pytestmark = pytest.mark.gpu
 
@@ -126,7 +126,7 @@ def test_mx_on_hopper_falls_back_loudly(caplog):
         pytest.skip("Blackwell has MX GEMMs; the fallback is a Hopper behaviour")
     a = f8.quantize(torch.randn(128, 256, device="cuda"), f8.CastSpec(granularity=f8.MX(32)))
     b = f8.quantize(torch.randn(64, 256, device="cuda"), f8.CastSpec(granularity=f8.MX(32))).t()
-    _gemm._logged.clear()
+    forget()
     with caplog.at_level(logging.WARNING, logger="fp8func"):
         assert f8.gemm_path(a, b) == "emulated"
         f8.gemm(a, b)

@@ -40,6 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .._casts import amax_for_cast, cast, cast_with_scale, scale_for_cast, use_kernels, weight_casts
 from .._collectives import gather_padded
 from .._gathered import Fp8GatheredWeight
+from .._log import warn_once
 from .._plan import LinearPlan
 from .._plan import plan as to_plan
 from .._qtensor import Fp8Meta, Fp8Tensor, trusted_fp8_tensor
@@ -560,18 +561,10 @@ def _fsdp_pass(weight, module) -> tuple[str, bool]:
     """("forward" | "backward" | "unknown", reshard_after_forward) of the FSDP2 group holding ``weight``."""
     found = find_fsdp_param(weight, weight._fsdp_group)
     if found is None:
-        _warn_once("could not find this weight's FSDP2 parameter group; gathering both row-wise casts")
+        warn_once("no fsdp group", "fp8func: %s",
+                  "could not find this weight's FSDP2 parameter group; gathering both row-wise casts")
         return "unknown", False
     return fsdp_pass(found[0]), reshards_after_forward(found[0])
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        log.warning("fp8func: %s", msg)
 
 
 @torch.no_grad()
