@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from .._plan import LinearPlan, plan, why_high_precision
 from .._scaling import AxisWise, Recipe
 from ._auto import MARGIN, estimate_ms, profile_for
-from ._linear import Fp8Linear, check_fp8_weights
+from ._linear import Fp8Linear, check_fp8_weights, hook_scaling_states
 from ._moe import Fp8Experts, is_fused_experts
 from ._outcome import EXCLUDED, outcome
 from ._shared import share_input_casts as _share_input_casts
@@ -293,6 +293,7 @@ def convert(
     for d in decisions:
         if d.change:
             _replace(model, d.fqn, _apply(d, p, rows))
+    hook_scaling_states(model)  # the delayed layers' next states: one write for the model
     if share_input_casts:
         _share_input_casts(model)
     else:
@@ -323,7 +324,7 @@ def _apply(d: _Decision, p: LinearPlan, rows: Report) -> nn.Module:
         new.train(module.training)
     else:
         new = Fp8Experts(module, p.recipe)
-    new.note, new.conversion = d.row.reason, rows
+    new.record_conversion(d.row.reason, rows)
     return new
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 
@@ -15,6 +16,8 @@ from .._delayed import LinearScalingState, refresh
 from .._gathered import casts_only, gathered_casts
 from .._plan import LinearPlan, plan
 from .._scaling import Recipe
+from .._sharding import Sharding
+from ._state_writes import StateWrites
 from ._weights import (
     FP8_ALL_GATHER,
     FP8_WEIGHTS,
@@ -125,7 +128,69 @@ class Fp8Linear(nn.Linear):
         was given one: what reports show. The layer runs ``plan``."""
         return self.plan.given
 
+    # What other parts of the shell change on a layer, each through its own method.
+    def record_conversion(self, note: str, conversion) -> None:
+        """``convert``'s note on this layer and the ``Report`` of that call (``report`` reads them)."""
+        self.note, self.conversion = note, conversion
+
+    def attach_master(self, master: torch.Tensor | None) -> None:
+        """The master parameter ``MasterWeights`` trains for this layer's FP8 weight (held weakly)."""
+        self._master = None if master is None else weakref.ref(master)
+
+    def set_fp8_enabled(self, enabled: bool) -> None:
+        """FP8 (True) or plain high-precision ``F.linear`` (False): ``PrecisionSchedule``'s phases."""
+        self.fp8_enabled = bool(enabled)
+
+    def set_amax_sharding(self, sharding: Sharding | None) -> None:
+        """Delayed scaling: how the tokens are split over ranks, whose recorded amaxes are then
+        reduced over them (``share_scaling_state``)."""
+        self.amax_sharding = sharding
+
+    def use_input_casts(self, group) -> None:
+        """The ``SharedInputCasts`` of this layer's sibling group, or None: it casts its own input."""
+        self._input_casts = group
+
+    @contextlib.contextmanager
+    def explicit_states(self):
+        """While open, the layer reads the states it is given (``fp8func.nn.apply``) and hooks
+        nothing; ``passed_on`` reads what its last call passed on."""
+        self._in_apply, self._pending = True, None
+        try:
+            yield self
+        finally:
+            self._in_apply, self._pending = False, None
+
+    def passed_on(self, given: LinearScalingState) -> LinearScalingState | None:
+        """The state the layer's last call passed on, shaped as ``given`` (None: no call since)."""
+        return None if self._pending is None else unpack_state(self._pending, given)
+
+    def write_states_with(self, writes: StateWrites) -> None:
+        """Delayed scaling: the ``StateWrites`` that writes this layer's next state at the end of a
+        backward (``hook_scaling_states`` gives a model's layers one)."""
+        self._writes = writes
+
+    def _take_next_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """At the end of a backward: (buffer, next value) pairs of the state gradients it accumulated,
+        the gradients cleared, and the layer's step ended (no state pending, the state fresh)."""
+        self._pending = None
+        packed = self._packed
+        if packed is not None:  # one leaf (a state not recorded comes back unchanged)
+            pairs = [] if packed.grad is None else [(packed.detach(), packed.grad)]
+            packed.grad = None
+            return pairs
+        state, pairs = self.scaling_state(), []
+        for t in state.tensors():
+            if t.grad is None:  # a state the plan does not record (a dynamic weight)
+                continue
+            # A state is replicated: under TP the buffer or its gradient may be a replicated DTensor.
+            pairs.append((t.to_local() if isinstance(t, DTensor) else t,
+                          t.grad.full_tensor() if isinstance(t.grad, DTensor) else t.grad))
+            t.grad = None
+        refresh(state)
+        return pairs
+
     def _init_state(self, device) -> None:
+        self._writes = StateWrites()
         state = LinearScalingState.init(self.plan.delayed.history_len, device)
         for name, t in zip(self._STATE_NAMES, state.tensors()):
             self.register_buffer(name, t)
@@ -133,7 +198,7 @@ class Fp8Linear(nn.Linear):
 
     def _hook_grad_output_state(self) -> None:
         """The next state comes back as the gradient of the state: make it require grad, and hook it
-        to be written into the buffers at the end of the backward (``_write_states``).
+        to be written into the buffers at the end of the backward (``StateWrites``).
 
         The six buffers are views of one packed tensor (``fp8_linear``'s packed state), the one
         leaf autograd accumulates the next state into. Buffers something replaced (``.to()``,
@@ -160,7 +225,7 @@ class Fp8Linear(nn.Linear):
                 leaf = torch.cat([t.detach().reshape(-1) for t in tensors]).requires_grad_()
                 for name, view in zip(self._STATE_NAMES, unpack_state(leaf.detach(), state).tensors()):
                     view._fp8func_hooked = _HOOKED
-                    self._buffers[name] = view
+                    self.register_buffer(name, view)
                 self._packed = leaf
         hooked = self.__dict__.get("_hooked_state")
         if hooked is not None and hooked() is leaf:
@@ -178,9 +243,9 @@ class Fp8Linear(nn.Linear):
         if state is not None:
             # A delayed-scaling state is float32 (amaxes and scales): .to(dtype) / .bfloat16() move it, not cast it.
             for name, old in zip(self._STATE_NAMES, state.tensors()):
-                new = self._buffers[name]
+                new = getattr(self, name)
                 if new.dtype != old.dtype:
-                    self._buffers[name] = old if old.device == new.device else old.detach().to(new.device)
+                    self.register_buffer(name, old if old.device == new.device else old.detach().to(new.device))
         self._hook_grad_output_state()  # .to() / .cuda() / to_empty() make new buffer tensors
         return out
 
@@ -276,7 +341,7 @@ class Fp8Linear(nn.Linear):
         for name in self._STATE_NAMES if self.plan.delayed is not None else ():
             # A replicated DTensor for a plain state buffer (the meta-sharded state_dict above, loaded
             # back): its values are the whole state.
-            held, given = self._buffers.get(name), state_dict.get(prefix + name)
+            held, given = getattr(self, name, None), state_dict.get(prefix + name)
             if isinstance(given, DTensor) and not isinstance(held, DTensor):
                 state_dict[prefix + name] = given.full_tensor()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -310,6 +375,8 @@ class Fp8Linear(nn.Linear):
         super().__setstate__(state)
         self._pending, self._packed = None, None
         self.__dict__.setdefault("_in_apply", False)
+        if self.plan.delayed is not None:
+            self.__dict__.setdefault("_writes", StateWrites())
         kind, w = self._weight_kind(), self._parameters.get("weight")
         if kind is not None and isinstance(w, torch.Tensor) and weight_kind(w) != kind:
             # Pickled (torch.save of the model, copy by pickling) as its plain values: wrap them again.
@@ -414,51 +481,15 @@ def check_fp8_weights(recipe: Recipe | LinearPlan, fsdp_fp8_all_gather: bool) ->
 
 
 class _StateGradHook:
-    """Queues the layer's state write for the end of the backward (one callback per backward)."""
+    """Hands the layer to its ``StateWrites`` when its state gradient (the next state) is accumulated."""
 
     def __init__(self, layer: Fp8Linear):
         self._layer = weakref.ref(layer)
 
     def __call__(self, t: torch.Tensor) -> None:
         layer = self._layer()
-        if layer is None:
-            return
-        if not _TO_WRITE:
-            torch.autograd.Variable._execution_engine.queue_callback(_write_states)
-        _TO_WRITE.append(layer)
-
-
-# The layers whose next states the running backward produced; written by one callback at its end.
-_TO_WRITE: list[Fp8Linear] = []
-
-
-def _write_states() -> None:
-    """Writes each queued layer's state gradients (its next state) into its buffers, with one
-    multi-tensor copy for the whole model, and ends the layers' step (no state pending, the state
-    fresh again). At the end of the backward, every state gradient has been accumulated."""
-    targets, values = [], []
-    for layer in _TO_WRITE:
-        layer._pending = None
-        packed = layer._packed
-        if packed is not None:  # one leaf (a state not recorded comes back unchanged)
-            if packed.grad is not None:
-                targets.append(packed.detach())
-                values.append(packed.grad)
-                packed.grad = None
-            continue
-        state = layer.scaling_state()
-        for t in state.tensors():
-            if t.grad is None:  # a state the plan does not record (a dynamic weight)
-                continue
-            # A state is replicated: under TP the buffer or its gradient may be a replicated DTensor.
-            targets.append(t.to_local() if isinstance(t, DTensor) else t)
-            values.append(t.grad.full_tensor() if isinstance(t.grad, DTensor) else t.grad)
-            t.grad = None
-        refresh(state)
-    _TO_WRITE.clear()
-    if targets:
-        with torch.no_grad():
-            torch._foreach_copy_(targets, values)
+        if layer is not None:
+            layer._writes.add(layer)
 
 
 def hook_scaling_states(model: nn.Module) -> int:
@@ -475,6 +506,8 @@ def hook_scaling_states(model: nn.Module) -> int:
         >>> model.compile()
     """
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.plan.delayed is not None]
+    writes = StateWrites()  # one write of the next states for the whole model
     for m in layers:
+        m.write_states_with(writes)
         m._hook_grad_output_state()
     return len(layers)

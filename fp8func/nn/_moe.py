@@ -179,6 +179,10 @@ class Fp8Experts(nn.Module):
     note = ""  # convert()'s note on this module
     conversion = None  # the Report of the convert() call that made it (report(model) reads it)
 
+    def record_conversion(self, note: str, conversion) -> None:
+        """``convert``'s note on this module and the ``Report`` of that call (``report`` reads them)."""
+        self.note, self.conversion = note, conversion
+
     def __init__(self, experts: nn.Module, recipe: Recipe | str = "rowwise", align: int | None = None):
         super().__init__()
         if not is_fused_experts(experts):

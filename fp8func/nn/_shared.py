@@ -95,7 +95,7 @@ def share_input_casts(model: nn.Module) -> None:
         by_input: dict = {}
         for m in parent.children():
             if isinstance(m, Fp8Linear):
-                m._input_casts = None
+                m.use_input_casts(None)
                 if m.plan.delayed is None and activation_casts(m.plan):
                     by_input.setdefault((m.in_features, m.plan), []).append(m)
         groups = [g for g in by_input.values() if len(g) > 1]
@@ -111,14 +111,16 @@ def share_input_casts(model: nn.Module) -> None:
             parent.register_forward_hook(_clear)
         for g in groups:
             for m in g:
-                m._input_casts = getattr(parent, _ATTR)
+                m.use_input_casts(getattr(parent, _ATTR))
 
 
 def unshare_input_casts(model: nn.Module) -> None:
     """Undoes ``share_input_casts``: every layer casts its own input again."""
+    from ._linear import Fp8Linear
+
     for m in model.modules():
-        if getattr(m, "_input_casts", None) is not None:
-            m._input_casts = None
+        if isinstance(m, Fp8Linear) and m._input_casts is not None:
+            m.use_input_casts(None)
         _unhook(m)
 
 
