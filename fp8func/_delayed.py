@@ -235,14 +235,15 @@ def refresh(state: "LinearScalingState") -> None:
 
 class _Consumed:
     """The mark ``consume`` sets on a state's input history tensor. A tensor's attributes travel
-    with ``copy.deepcopy`` and pickles of it; this mark does not (it reads None there), so a
-    copied or loaded state is fresh."""
+    with ``copy.deepcopy`` and pickles of it; this mark does not, so a copied or loaded state is
+    fresh: a copy reads None, a pickle (``torch.save``) an empty set, one of the few values
+    ``torch.load(weights_only=True)`` rebuilds."""
 
     def __deepcopy__(self, memo):
         return None
 
     def __reduce__(self):
-        return type(None), ()
+        return set, ()
 
 
 _CONSUMED, _MARK = "_fp8func_consumed", _Consumed()

@@ -160,6 +160,22 @@ def test_a_consumed_state_is_refused_with_the_fix():
         f8.linear_delayed(x, w, None, "delayed", st_)
 
 
+def test_a_consumed_state_copied_or_loaded_is_fresh(tmp_path):
+    """The consumed mark stays with the tensor it marks: a deepcopy or a torch.save of the state
+    (loaded with torch.load's default weights_only=True) is a fresh state."""
+    import copy
+
+    x, w, dy = _data(2)
+    st_ = _fresh(_warm_state(x, w, dy))
+    f8.linear_delayed(x, w.clone().requires_grad_(), None, "delayed", st_)
+    torch.save(list(st_.tensors()), tmp_path / "state.pt")
+    loaded = LinearScalingState.from_tensors(t.requires_grad_() for t in torch.load(tmp_path / "state.pt"))
+    for fresh in (copy.deepcopy(st_), loaded):
+        f8.linear_delayed(x, w.clone().requires_grad_(), None, "delayed", fresh)
+    with pytest.raises(ValueError, match="already consumed"):
+        f8.linear_delayed(x, w.clone().requires_grad_(), None, "delayed", st_)
+
+
 @pytest.mark.parametrize("where", ["input", "grad_output"])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_a_non_finite_tensor_shows_in_the_outputs_and_gradients(where, bad):
