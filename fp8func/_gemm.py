@@ -28,7 +28,6 @@ from ._scaling import MX, AxisWise, BlockWise, TensorWise, canonical_granularity
 __all__ = ["gemm", "gemm_path", "hardware_kind"]
 
 
-
 def hardware_kind(a: Fp8Tensor, b: Fp8Tensor) -> tuple[str | None, str]:
     """The scaled-mm kind that computes ``a @ b`` from these scales, or (None, why not)."""
     ga, gb = canonical_granularity(a.granularity), canonical_granularity(b.granularity)

@@ -479,7 +479,6 @@ def check_fp8_weights(recipe: Recipe | LinearPlan, fsdp_fp8_all_gather: bool) ->
                          "the fp8 all-gather; drop fsdp_fp8_all_gather=False (or set fp8_weights=False).")
 
 
-
 class _StateGradHook:
     """Hands the layer to its ``StateWrites`` when its state gradient (the next state) is accumulated."""
 

@@ -42,6 +42,8 @@ from ._linear import Fp8Linear
 __all__ = ["NumericsStats", "tensor_stats"]
 
 log = logging.getLogger("fp8func")
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """A detached plain tensor holding ``t``'s values (a DTensor is gathered to its full value)."""
     t = t.detach()

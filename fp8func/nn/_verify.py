@@ -50,6 +50,8 @@ _EVAL = "autograd::engine::evaluate_function: "
 _HP_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
 # libkineto's levels run VERBOSE=0 .. ERROR=4, USDT=5; a threshold above them all prints nothing.
 _KINETO_SILENT = "6"
+
+
 @dataclass(frozen=True)
 class LayerCheck:
     """One linear layer in the verified step.
