@@ -23,7 +23,6 @@ gradients.
 
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -319,23 +318,19 @@ def _unpack_states(flat: torch.Tensor | None, like: tuple) -> tuple:
     return tuple(out)
 
 
-# States a linear_delayed call has consumed (eager and torch.func; compiled code is traced once and
-# cannot keep this Python-side record). A state is identified by its input history tensor.
-# Keyed by id (a tensor's == is elementwise), each entry a weak reference that removes itself.
-_CONSUMED: dict[int, weakref.ref] = {}
-
-
 def consume(state: "LinearScalingState", what: str) -> None:
     """Marks ``state`` consumed by a call, or raises if an earlier call consumed it already.
 
     A state used twice without threading would receive the sum of both uses' new states as its
     gradient (autograd adds gradients): garbage. Raises with the fix (as equinox's stale state).
+    The mark lives on the state itself (its input history tensor), so it goes with the state: a
+    new state (the next step's, a copy) is fresh. Eager and torch.func only: compiled code is
+    traced once and cannot keep this Python-side record.
     """
     if torch.compiler.is_compiling():
         return
     key = state.input.amax_history
-    ref = _CONSUMED.get(id(key))
-    if ref is not None and ref() is key:
+    if getattr(key, _CONSUMED, None) is _MARK:
         raise ValueError(
             f"{what}: this LinearScalingState was already consumed by an earlier call in this step. Thread the "
             "state instead of reusing it:\n    y1, state = fp8func.linear_delayed(x1, w, None, recipe, state)\n"
@@ -343,10 +338,27 @@ def consume(state: "LinearScalingState", what: str) -> None:
             "The next step's state is the gradient of the first call's state input (torch.func.grad over it, or "
             "its .grad); a state made that way is fresh."
         )
-    k = id(key)
-    _CONSUMED[k] = weakref.ref(key, lambda _: _CONSUMED.pop(k, None))
+    setattr(key, _CONSUMED, _MARK)
 
 
 def refresh(state: "LinearScalingState") -> None:
     """Forgets that ``state`` was consumed (its tensors now hold the next step's values)."""
-    _CONSUMED.pop(id(state.input.amax_history), None)
+    key = state.input.amax_history
+    if getattr(key, _CONSUMED, None) is _MARK:
+        delattr(key, _CONSUMED)
+
+
+class _Consumed:
+    """The mark ``consume`` sets on a state's input history tensor. A tensor's attributes travel
+    with ``copy.deepcopy`` and pickles of it; this mark does not, so a copied or loaded state is
+    fresh: a copy reads None, a pickle (``torch.save``) an empty set, one of the few values
+    ``torch.load(weights_only=True)`` rebuilds."""
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return set, ()
+
+
+_CONSUMED, _MARK = "_fp8func_consumed", _Consumed()

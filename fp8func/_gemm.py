@@ -15,35 +15,22 @@ which path a call takes; a fallback to emulation on a GPU is logged once per rea
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ._formats import E4M3, E5M2, tracing
+from ._log import warn_once
 from ._ops import dequantize
 from ._qtensor import Fp8Tensor
-from ._scaling import MX, AxisWise, BlockWise, TensorWise, norm_axis
+from ._scaling import MX, AxisWise, BlockWise, TensorWise, canonical_granularity
 
 __all__ = ["gemm", "gemm_path", "hardware_kind"]
-
-log = logging.getLogger("fp8func")
-_logged: set[str] = set()
-
-
-def _canonical(g, ndim: int = 2):
-    """Granularity with axes made non-negative, blocks spelled out on 2 dims."""
-    if isinstance(g, AxisWise):
-        return AxisWise(norm_axis(g.axis, ndim, g))
-    if isinstance(g, BlockWise):
-        return BlockWise((1,) * (ndim - len(g.block)) + g.block)
-    return g
 
 
 def hardware_kind(a: Fp8Tensor, b: Fp8Tensor) -> tuple[str | None, str]:
     """The scaled-mm kind that computes ``a @ b`` from these scales, or (None, why not)."""
-    ga, gb = _canonical(a.granularity), _canonical(b.granularity)
+    ga, gb = canonical_granularity(a.granularity), canonical_granularity(b.granularity)
     if a.dtype == E5M2 and b.dtype == E5M2:
         return None, "e5m2 x e5m2 has no FP8 tensor-core GEMM"
     k, n = a.shape[1], b.shape[1]
@@ -94,9 +81,7 @@ def _device_supports(kind: str, device: torch.device) -> tuple[bool, str]:
 def log_fallback(reason: str) -> bool:
     # Runs eagerly even under torch.compile (its result is a trace-time constant), so the log
     # line is emitted once per reason per process, compiled or not.
-    if reason not in _logged:
-        _logged.add(reason)
-        log.warning("fp8func: emulated FP8 GEMM on a GPU (%s); expect no FP8 speedup.", reason)
+    warn_once(("emulated gemm", reason), "fp8func: emulated FP8 GEMM on a GPU (%s); expect no FP8 speedup.", reason)
     return True
 
 
@@ -185,7 +170,7 @@ def _rowwise_out_dtype_ok(device: torch.device, out_dtype: torch.dtype) -> bool:
 
 def _scaled_mm(kind: str, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     if kind == "blockwise":  # lays out its own operands (inside the custom op when compiling)
-        b_128x128 = _canonical(b.granularity) == BlockWise((128, 128))
+        b_128x128 = canonical_granularity(b.granularity) == BlockWise((128, 128))
         if tracing():
             # torch 2.11's dynamo cannot trace F.scaled_mm (torch._scaled_mm_v2 is not in its trace
             # rules); an opaque custom op with a fake implementation keeps fullgraph=True working.

@@ -32,7 +32,7 @@ from ._formats import E4M3, saturate_cast, tracing
 from ._gemm import col_major, log_fallback
 from ._ops import dequantize, quantize, reciprocal
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import AxisWise, CastSpec, Recipe, compute_scale
+from ._scaling import AxisWise, CastSpec, Recipe, as_recipe, compute_scale
 
 __all__ = ["JaggedFp8Tensor", "quantize_jagged", "dequantize_jagged", "grouped_gemm", "grouped_gemm_path",
            "grouped_linear", "grouped_mm", "align_groups", "group_ids"]
@@ -411,9 +411,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
         >>> x = torch.randn(10, 32, requires_grad=True); w = torch.randn(3, 16, 32, requires_grad=True)
         >>> grouped_linear(x, w, torch.tensor([4, 4, 10], dtype=torch.int32)).sum().backward()
     """
-    recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"grouped_linear: recipe={recipe!r}; expected a Recipe or a recipe name such as 'rowwise'.")
+    recipe = as_recipe(recipe, "grouped_linear", example="rowwise")
     _check_recipe(recipe)
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
         raise ValueError(

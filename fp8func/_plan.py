@@ -29,27 +29,27 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ._scaling import (
     AMAX_ALGOS,
     KERNEL_MODES,
-    MX,
+    NAMED_RECIPES,
     PATHS,
-    AxisWise,
-    BlockWise,
     CastSpec,
     DelayedScaling,
     Recipe,
     TensorWise,
+    as_recipe,
     block_lengths,
-    norm_axis,
+    canonical_granularity,
     raw_block_lengths,
     transpose_granularity,
 )
 
-__all__ = ["GemmPlan", "LinearPlan", "OperandCasts", "plan", "operand", "untileable", "transposed"]
+__all__ = ["GemmPlan", "LinearPlan", "OperandCasts", "plan", "operand", "untileable", "transposed",
+           "why_high_precision"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,9 @@ class LinearPlan:
             casts only; ``linear_delayed`` threads their state).
         kernels: which casts run the fused Triton kernels: "auto", "off" or "reference".
         name: a label for reports.
+        recipe: the ``Recipe`` this plan was made from (``plan(recipe)``), None for a plan written
+            per GEMM; not part of the plan's equality (two recipes that plan the same GEMMs
+            under one name give equal plans). ``given`` reads it.
     """
 
     output: GemmPlan
@@ -105,6 +108,7 @@ class LinearPlan:
     delayed: DelayedScaling | None = None
     kernels: str = "auto"
     name: str = "custom"
+    recipe: Recipe | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         for gemm in ("output", "grad_input", "grad_weight"):
@@ -117,8 +121,16 @@ class LinearPlan:
             raise ValueError(f"LinearPlan(kernels={self.kernels!r}): expected one of {KERNEL_MODES}.")
         if not isinstance(self.name, str):
             raise TypeError(f"LinearPlan(name={self.name!r}): expected a str.")
+        if self.recipe is not None and not isinstance(self.recipe, Recipe):
+            raise TypeError(f"LinearPlan(recipe={self.recipe!r}): expected the Recipe the plan was made from, or None.")
         if self.delayed is not None:
             _check_delayed(self)
+
+    @property
+    def given(self) -> Recipe | LinearPlan:
+        """The ``Recipe`` this plan was made from, or the plan itself where it was written per GEMM:
+        what the shell's public ``recipe`` attributes show."""
+        return self if self.recipe is None else self.recipe
 
 
 def _check_delayed(p: LinearPlan) -> None:
@@ -137,22 +149,29 @@ def _check_delayed(p: LinearPlan) -> None:
         )
 
 
-def plan(recipe: Recipe | LinearPlan | str) -> LinearPlan:
-    """The per-GEMM plan of a recipe (a ``LinearPlan`` is returned as it is; a name goes through
-    ``Recipe.from_name``)."""
+def plan(recipe: Recipe | LinearPlan | str, where: str = "") -> LinearPlan:
+    """The per-GEMM plan of a recipe: a ``LinearPlan`` is returned as it is, a name goes through
+    ``Recipe.from_name``. A named recipe's plan is built once (the same object at every call:
+    compiled code reads it as a constant). ``where``: the caller an error names."""
     if isinstance(recipe, LinearPlan):
         return recipe
-    if isinstance(recipe, str):
-        recipe = Recipe.from_name(recipe)
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe={recipe!r}: expected a Recipe, a LinearPlan or a recipe name such as 'tensorwise'.")
+    if not isinstance(recipe, (Recipe, str)):
+        raise TypeError(f"{where + ': ' if where else ''}recipe={recipe!r}; expected a Recipe, a LinearPlan or a "
+                        "recipe name such as 'tensorwise'.")
+    recipe = as_recipe(recipe, "plan")
+    if NAMED_RECIPES.get(recipe.name) is recipe:
+        return _NAMED_PLANS[recipe.name]
+    return _plan_of(recipe)
+
+
+def _plan_of(recipe: Recipe) -> LinearPlan:
     fast = recipe.fast_accum
     gw = (None, None) if recipe.grad_weight_hp else (recipe.grad_output, recipe.input)
     return LinearPlan(
         output=GemmPlan(recipe.input, recipe.weight, "output" in fast, recipe.path),
         grad_input=GemmPlan(recipe.grad_output, recipe.weight_for_grad_input, "grad_input" in fast, recipe.path),
         grad_weight=GemmPlan(*gw, "grad_weight" in fast, recipe.path),
-        delayed=recipe.delayed, kernels=recipe.kernels, name=recipe.name)
+        delayed=recipe.delayed, kernels=recipe.kernels, name=recipe.name, recipe=recipe)
 
 
 class OperandCasts(NamedTuple):
@@ -185,21 +204,10 @@ def transposed(spec: CastSpec) -> CastSpec:
     return spec.with_granularity(transpose_granularity(spec.granularity, 2, 0, 1))
 
 
-def _canonical(g):
-    """A 2-D granularity with axes made non-negative and blocks spelled out."""
-    if isinstance(g, AxisWise):
-        return AxisWise(norm_axis(g.axis, 2, g))
-    if isinstance(g, MX):
-        return MX(g.block, norm_axis(g.axis, 2, g))
-    if isinstance(g, BlockWise):
-        return BlockWise((1,) * (2 - len(g.block)) + g.block)
-    return g
-
-
 def _same_groups(a: CastSpec, b: CastSpec) -> bool:
     """Whether two casts of one 2-D tensor give the same bits (same dtype, groups and rounding)."""
     return (a.dtype == b.dtype and a.power_of_2 == b.power_of_2
-            and _canonical(a.granularity) == _canonical(b.granularity))
+            and canonical_granularity(a.granularity) == canonical_granularity(b.granularity))
 
 
 def untileable(p: LinearPlan, m: int | None, k: int, n: int) -> str:
@@ -208,6 +216,31 @@ def untileable(p: LinearPlan, m: int | None, k: int, n: int) -> str:
     ``m=None`` (tokens not known yet, as for ``convert``) checks every cast along the dims that
     do not depend on the token count.
     """
+    found = _untiled(p, m, k, n)
+    if found is None:
+        return ""
+    gemm, name, _, shape, error = found
+    return f"the {gemm} GEMM's {name} cast cannot tile its operand {shape}: {error}"
+
+
+def why_high_precision(p: LinearPlan | None, k: int, n: int) -> str:
+    """Why a linear layer of ``k`` inputs and ``n`` outputs stays in high precision under ``p``
+    ("" when it can run in FP8; ``p=None``: under any plan): the one statement of the reasons
+    ``convert`` and ``report`` give."""
+    if k % 16 or n % 16:
+        return f"K={k}, N={n}: FP8 GEMMs need both divisible by 16"
+    if p is None:
+        return ""
+    found = _untiled(p, None, k, n)
+    if found is None:
+        return ""
+    gemm, name, spec, shape, _ = found
+    return f"the {gemm} GEMM's {name} cast {spec.granularity!r} does not tile its operand {shape}"
+
+
+def _untiled(p: LinearPlan, m: int | None, k: int, n: int) -> tuple[str, str, CastSpec, tuple, str] | None:
+    """(GEMM, operand, cast, the operand's shape, the tiling error) of the first cast of ``p``
+    that cannot tile its operand, or None."""
     m = _any_multiple(p) if m is None else m
     for gemm, (a_shape, b_shape), names in (
             ("output", ((m, k), (n, k)), ("input x", "weight w")),
@@ -220,8 +253,8 @@ def untileable(p: LinearPlan, m: int | None, k: int, n: int) -> str:
             try:
                 block_lengths(spec.granularity, shape)
             except ValueError as e:
-                return f"the {gemm} GEMM's {name} cast cannot tile its operand {shape}: {e}"
-    return ""
+                return gemm, name, spec, shape, str(e)
+    return None
 
 
 def _any_multiple(p: LinearPlan) -> int:
@@ -229,3 +262,6 @@ def _any_multiple(p: LinearPlan) -> int:
     lengths = {b for g in (p.output, p.grad_input, p.grad_weight) for s in (g.a, g.b) if s is not None
                for b in raw_block_lengths(s.granularity, (1, 1)) if b is not None}
     return math.lcm(*lengths) if lengths else 1
+
+
+_NAMED_PLANS = {name: _plan_of(r) for name, r in NAMED_RECIPES.items()}  # prebuilt: constants for torch.compile

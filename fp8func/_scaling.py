@@ -41,6 +41,8 @@ __all__ = [
     "block_lengths",
     "scale_shape",
     "transpose_granularity",
+    "canonical_granularity",
+    "as_recipe",
     "compute_amax",
     "compute_scale",
     "split_groups",
@@ -182,6 +184,18 @@ def transpose_granularity(granularity: Granularity, ndim: int, dim0: int, dim1: 
     while len(full) > 1 and full[0] == 1:
         full.pop(0)
     return BlockWise(tuple(full))
+
+
+def canonical_granularity(g: Granularity, ndim: int = 2) -> Granularity:
+    """``g`` on an ``ndim``-D tensor with its axis made non-negative and its blocks spelled out on
+    every dim: two granularities group the elements alike exactly when these are equal."""
+    if isinstance(g, AxisWise):
+        return AxisWise(norm_axis(g.axis, ndim, g))
+    if isinstance(g, MX):
+        return MX(g.block, norm_axis(g.axis, ndim, g))
+    if isinstance(g, BlockWise):
+        return BlockWise((1,) * (ndim - len(g.block)) + g.block)
+    return g
 
 
 def _patterns(ndim: int) -> tuple[str, str, str]:
@@ -408,6 +422,16 @@ class Recipe:
     @property
     def weight_for_grad_input(self) -> CastSpec:
         return self.grad_input_weight if self.grad_input_weight is not None else self.weight
+
+
+def as_recipe(recipe: "Recipe | str", where: str, example: str = "tensorwise") -> "Recipe":
+    """``recipe`` itself, or the named recipe for a name (``Recipe.from_name``); raises for
+    anything else, naming ``where`` it was given."""
+    if isinstance(recipe, str):
+        return Recipe.from_name(recipe)
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"{where}: recipe={recipe!r}; expected a Recipe or a recipe name such as {example!r}.")
+    return recipe
 
 
 def _check_recipe_fields(recipe: Recipe) -> None:

@@ -40,6 +40,7 @@ except ImportError as e:  # the one line a user without the extra needs
     raise ImportError("fp8func.hf needs transformers (and accelerate for FSDP2): pip install 'fp8func[hf]' "
                       "(from a clone: pip install -e '.[hf]')") from e
 
+from ._plan import LinearPlan, plan
 from ._scaling import Recipe
 from .distributed import share_scaling_state
 from .nn import Fp8Linear, convert, report
@@ -109,16 +110,21 @@ class Fp8Callback(TrainerCallback):
     the ``Trainer`` does not build: train them with a loop of your own (docs/fp8_weights.md).
     """
 
-    def __init__(self, recipe: Recipe | str = "tensorwise", *,
+    def __init__(self, recipe: Recipe | LinearPlan | str = "tensorwise", *,
                  filter: Callable[[nn.Module, str], bool] | str | Sequence[str] | None = None,
                  fsdp_fp8_all_gather: bool = True, tokens: int = 8192):
-        self.recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
+        self.plan = plan(recipe, "Fp8Callback")
         self.filter, self.fsdp_fp8_all_gather, self.tokens = filter, fsdp_fp8_all_gather, tokens
+
+    @property
+    def recipe(self) -> Recipe | LinearPlan:
+        """The ``Recipe`` given (a name resolved), or the ``LinearPlan`` where one was given."""
+        return self.plan.given
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise ValueError("Fp8Callback: the Trainer has no model to convert (Trainer(model=...)).")
-        convert(model, self.recipe, filter=self.filter, fsdp_fp8_all_gather=self.fsdp_fp8_all_gather,
+        convert(model, self.plan, filter=self.filter, fsdp_fp8_all_gather=self.fsdp_fp8_all_gather,
                 tokens=self.tokens)
         if state.is_world_process_zero:
             log.info("Fp8Callback: %s", str(report(model, print_table=False)).splitlines()[-1])

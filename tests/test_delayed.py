@@ -160,6 +160,22 @@ def test_a_consumed_state_is_refused_with_the_fix():
         f8.linear_delayed(x, w, None, "delayed", st_)
 
 
+def test_a_consumed_state_copied_or_loaded_is_fresh(tmp_path):
+    """The consumed mark stays with the tensor it marks: a deepcopy or a torch.save of the state
+    (loaded with torch.load's default weights_only=True) is a fresh state."""
+    import copy
+
+    x, w, dy = _data(2)
+    st_ = _fresh(_warm_state(x, w, dy))
+    f8.linear_delayed(x, w.clone().requires_grad_(), None, "delayed", st_)
+    torch.save(list(st_.tensors()), tmp_path / "state.pt")
+    loaded = LinearScalingState.from_tensors(t.requires_grad_() for t in torch.load(tmp_path / "state.pt"))
+    for fresh in (copy.deepcopy(st_), loaded):
+        f8.linear_delayed(x, w.clone().requires_grad_(), None, "delayed", fresh)
+    with pytest.raises(ValueError, match="already consumed"):
+        f8.linear_delayed(x, w.clone().requires_grad_(), None, "delayed", st_)
+
+
 @pytest.mark.parametrize("where", ["input", "grad_output"])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_a_non_finite_tensor_shows_in_the_outputs_and_gradients(where, bad):
@@ -643,6 +659,42 @@ def test_a_state_that_cannot_be_packed_stays_six_leaves_and_says_so(caplog):
         layer(x).pow(2).sum().backward()
     assert layer._packed is None and "six autograd leaves" in caplog.text
     assert layer.fp8_x_history[0] > 0 and layer.fp8_w_history[0] > 0 and layer.fp8_x_history.grad is None
+
+
+def test_next_states_are_written_once_per_model_and_after_a_backward_that_raised():
+    """A converted model's delayed layers share one StateWrites (one write at the end of each
+    backward); a copy writes its own layers; a backward that raises before its end leaves
+    nothing behind, and the next backward writes every layer's next state."""
+    import copy
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    torch.manual_seed(0)
+    model = f8.convert(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32)), "delayed", fsdp_fp8_all_gather=False)
+    assert model[0]._writes is model[1]._writes
+    other = copy.deepcopy(model)
+    assert other[0]._writes is other[1]._writes and other[0]._writes is not model[0]._writes
+    with pytest.raises(RuntimeError, match="boom"):
+        model[1](Boom.apply(model[0](torch.randn(8, 64)))).sum().backward()
+    fresh = f8.convert(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32)), "delayed", fsdp_fp8_all_gather=False)
+    fresh.load_state_dict(model.state_dict())
+    for m in (model, fresh):
+        with torch.no_grad():
+            m[1]._packed.grad = None  # what the failed backward accumulated
+        m[0]._pending = m[1]._pending = None
+    x = torch.randn(8, 64)
+    for m in (model, fresh):
+        m(x).sum().backward()
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert model[0].fp8_x_history[0] > 0 and model[1].fp8_dy_history[0] > 0
 
 
 # --------------------------------------------------------------------------------------------

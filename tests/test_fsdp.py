@@ -513,9 +513,9 @@ def test_cast_kept_groups_are_bitwise_each_weights_cast(monkeypatch):
     fsdp_mod._cast_kept(weights, scales)
     for i, w in enumerate(weights):
         version, scale, data = w._scales["w"]
-        want = fsdp_mod.cast_with_scale(w._tensor, scales[i:i + 1, :1], w._recipe.weight, round_to=w._param_dtype)
+        want = fsdp_mod.cast_with_scale(w._tensor, scales[i:i + 1, :1], w._plan.output.b, round_to=w._param_dtype)
         assert version == w.weight_version() and torch.equal(scale, scales[i:i + 1, :1])
-        assert data.dtype == w._recipe.weight.dtype and torch.equal(data.view(torch.uint8), want.data.view(torch.uint8))
+        assert data.dtype == w._plan.output.b.dtype and torch.equal(data.view(torch.uint8), want.data.view(torch.uint8))
 
 
 def _gathered_rebuilds(rank, world_size):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import fp8func as f8
 from fp8func import _gemm
+from fp8func._log import forget
 
 PAIRS = {  # (a granularity on [M, K], b granularity on [K, N])
     "tensorwise": (f8.TensorWise(), f8.TensorWise()),
@@ -121,7 +122,7 @@ def test_hardware_kind_reasons():
 
 
 def test_fallback_logged_once_per_reason(caplog):
-    _gemm._logged.discard("test reason")
+    forget(("emulated gemm", "test reason"))
     with caplog.at_level(logging.WARNING, logger="fp8func"):
         _gemm.log_fallback("test reason")
         _gemm.log_fallback("test reason")
@@ -224,7 +225,7 @@ def test_mx_on_hopper_falls_back_loudly(caplog):
         pytest.skip("Blackwell has MX GEMMs; the fallback is a Hopper behaviour")
     a = f8.quantize(torch.randn(128, 256, device="cuda"), f8.CastSpec(granularity=f8.MX(32)))
     b = f8.quantize(torch.randn(64, 256, device="cuda"), f8.CastSpec(granularity=f8.MX(32))).t()
-    _gemm._logged.clear()
+    forget()
     with caplog.at_level(logging.WARNING, logger="fp8func"):
         assert f8.gemm_path(a, b) == "emulated"
         f8.gemm(a, b)

@@ -69,7 +69,8 @@ def test_report_says_why(capsys):
 def test_blockwise_keeps_untileable_layers_high_precision():
     plan = f8.nn.plan_conversion(Net(), "blockwise", fsdp_fp8_all_gather=False)  # decides, changes nothing
     by = {r.fqn: r for r in plan}
-    assert not by["up"].converted and "does not tile weight of shape (128, 64)" in by["up"].reason
+    assert not by["up"].converted and ("the output GEMM's input x cast BlockWise(block=(1, 128)) does not tile its "
+                                       "operand (128, 64)") in by["up"].reason
     net = f8.convert(Net(), "blockwise", fsdp_fp8_all_gather=False)
     assert not any(isinstance(m, f8.nn.Fp8Linear) for m in net.modules())  # no layer tiles: none converted
 
@@ -91,6 +92,70 @@ def test_converted_model_trains_like_functional_linear(gather):
     (gx,) = torch.autograd.grad(y, x, dy)
     (gx_ref,) = torch.autograd.grad(y_ref, x, dy)
     assert torch.equal(gx, gx_ref)
+
+
+def _mixed_plan() -> f8.LinearPlan:
+    """Row-wise forward and grad_input, a tensorwise e5m2 x e4m3 grad_weight: no Recipe says it."""
+    row, tw = f8.CastSpec(f8.E4M3, f8.AxisWise(-1), True), f8.CastSpec(f8.E4M3)
+    return f8.LinearPlan(output=f8.GemmPlan(row, row), grad_input=f8.GemmPlan(row, row),
+                         grad_weight=f8.GemmPlan(f8.CastSpec(f8.E5M2), tw), name="row-fwd")
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_mixed_plan_converts_and_trains_bitwise_as_functional_linear(gather):
+    """A per-GEMM LinearPlan goes through convert: every layer holds that one plan, and three SGD
+    steps of the converted model are bitwise three steps of fp8func.linear with the plan."""
+    mixed = _mixed_plan()
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
+    ref = [t.detach().clone().requires_grad_() for t in (base[0].weight, base[0].bias, base[2].weight, base[2].bias)]
+    model = f8.convert(base, mixed, fsdp_fp8_all_gather=gather)
+    assert all(m.plan is mixed and m.recipe is mixed for m in (model[0], model[2]))
+    assert [r.recipe for r in f8.report(model, print_table=False)] == ["row-fwd", "row-fwd"]
+    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref, lr=0.1)
+    for _ in range(3):
+        x = torch.randn(8, 64)
+        y = model(x)
+        y_ref = f8.linear(torch.relu(f8.linear(x, ref[0], ref[1], mixed)), ref[2], ref[3], mixed)
+        assert torch.equal(y, y_ref)
+        y.square().sum().backward()
+        y_ref.square().sum().backward()
+        opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+    for p, r in zip((model[0].weight, model[0].bias, model[2].weight, model[2].bias), ref):
+        assert torch.equal(p.detach(), r.detach())  # (the fp8 all-gather weight compares as its values)
+    assert f8.convert(model, mixed)[0].plan is mixed  # the same plan again: nothing to change
+
+
+def test_layers_resolve_the_recipe_once(monkeypatch):
+    """convert resolves a Recipe to one LinearPlan that every layer holds (recipe reads the Recipe
+    back); the forward and backward run it without planning again."""
+    import fp8func._plan as plan_mod
+
+    recipe = f8.Recipe.from_name("rowwise", kernels="off")
+    model = f8.convert(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 32)), recipe)
+    assert model[0].plan is model[1].plan and model[0].plan == f8.plan(recipe) and model[0].recipe is recipe
+    assert model[0].weight.plan is model[0].plan and model[0].weight.recipe is recipe
+    assert f8.nn.Fp8Linear(64, 32, recipe="tensorwise").plan is f8.plan("tensorwise")  # named: one prebuilt plan
+
+    def replan(r):
+        raise AssertionError(f"planned {r.name!r} again")
+
+    monkeypatch.setattr(plan_mod, "_plan_of", replan)
+    model(torch.randn(4, 64)).sum().backward()
+    with pytest.raises(TypeError, match="Fp8Linear: recipe=3; expected a Recipe, a LinearPlan or a recipe name"):
+        f8.nn.Fp8Linear(64, 32, recipe=3)
+
+
+@pytest.mark.slow
+def test_mixed_plan_layer_compiles_without_graph_breaks():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = f8.convert(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)), _mixed_plan())
+    x = torch.randn(8, 64)
+    eager = model(x)
+    compiled = torch.compile(model)(x)
+    assert torch.equal(compiled, eager)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 
 
 @pytest.mark.slow
@@ -164,7 +229,7 @@ def test_second_convert_with_other_options_warns_and_names_the_change(caplog):
             "fsdp_fp8_all_gather=True, fp8_weights=True)") in line
     [(level, line)] = _logged(caplog, f8.convert, model, "blockwise", filter=["1"])  # 64x64 has no 128x128 block
     assert level == "WARNING" and type(model[0]) is nn.Linear and model[1].recipe.name == "rowwise"
-    assert "kept in high precision: 0 (weight cast BlockWise(block=(128, 128)) does not tile" in line
+    assert "kept in high precision: 0 (the output GEMM's input x cast BlockWise(block=(1, 128)) does not tile" in line
     assert "0 (rowwise, fsdp_fp8_all_gather=True, fp8_weights=True -> high precision)" in line
 
 
@@ -182,7 +247,7 @@ def test_convert_refuses_what_is_not_a_module_and_suggests_a_recipe_name():
 
 
 def test_shell_errors():
-    with pytest.raises(TypeError, match=r"convert: recipe=3; expected a Recipe or a name"):
+    with pytest.raises(TypeError, match=r"convert: recipe=3; expected a Recipe, a LinearPlan or a recipe name"):
         f8.convert(Net(), 3)
     with pytest.raises(ValueError, match="the model itself is an nn.Linear; wrap it in a module first"):
         f8.convert(nn.Linear(64, 64))

@@ -25,7 +25,7 @@ def share_scaling_state(model: nn.Module, mesh: DeviceMesh, mesh_dim: int = 0) -
     for m in model.modules():
         recipe = getattr(m, "recipe", None)
         if getattr(recipe, "delayed", None) is not None and hasattr(m, "scaling_state"):
-            m.amax_sharding = Sharding(mesh, placements)
+            m.set_amax_sharding(Sharding(mesh, placements))
             n += 1
     if n == 0:
         raise ValueError("share_scaling_state: no delayed-scaling Fp8Linear in the model; convert it with "

@@ -43,6 +43,8 @@ import torch
 
 from .._casts import weight_casts
 from .._ops import dequantize, quantize
+from .._plan import LinearPlan
+from .._plan import plan as to_plan
 from .._qtensor import Fp8Tensor
 from .._scaling import Recipe
 from .._sharding import Sharding
@@ -82,46 +84,53 @@ class Fp8WeightParam(AssignableData, GatherHooks, torch.Tensor):
     """
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, recipe: Recipe):
+    def __new__(cls, tensor: torch.Tensor, recipe: Recipe | LinearPlan | str):
         return cls._make(tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad)
 
-    def __init__(self, tensor: torch.Tensor, recipe: Recipe):
+    def __init__(self, tensor: torch.Tensor, recipe: Recipe | LinearPlan | str):
         if tensor.ndim != 2 or not tensor.is_floating_point() or tensor.dtype.itemsize == 1:
             raise ValueError(f"Fp8WeightParam: expected a 2-D high-precision weight [N, K], got shape "
                              f"{tuple(tensor.shape)} and dtype {tensor.dtype}.")
-        check_fp8_weights_recipe(recipe)
-        self._init(recipe, State(staged=tensor.detach()))
+        p = to_plan(recipe)
+        check_fp8_weights_recipe(p)
+        self._init(p, State(staged=tensor.detach()))
 
     @classmethod
     def _make(cls, shape, dtype, device, requires_grad=False) -> "Fp8WeightParam":
         return torch.Tensor._make_wrapper_subclass(cls, shape, strides=_contiguous_strides(shape), dtype=dtype,
                                                    device=device, requires_grad=requires_grad)
 
-    def _init(self, recipe: Recipe, state: State) -> None:
-        self._recipe = recipe
+    def _init(self, p: LinearPlan, state: State) -> None:
+        self._plan = p
         self._state = state
         self._fsdp_group: list = [None, None]  # weakrefs to FSDP2's (param group, FSDPParam): compat's cache
         self._n_slots: int | None = None
 
     def _take_data(self, new: "Fp8WeightParam") -> None:
         # ``param.data = new`` (AssignableData): its state (payloads or staged values) is this weight's now.
-        self._recipe, self._state = new._recipe, new._state
+        self._plan, self._state = new._plan, new._state
 
     def _wrap_data(self, values: torch.Tensor) -> "Fp8WeightParam":
-        return Fp8WeightParam(values, self._recipe)  # staged: quantized at the next all-gather
+        return Fp8WeightParam(values, self._plan)  # staged: quantized at the next all-gather
 
     @classmethod
-    def _wrap(cls, recipe: Recipe, state: State, shape, dtype: torch.dtype, device) -> "Fp8WeightParam":
+    def _wrap(cls, p: LinearPlan, state: State, shape, dtype: torch.dtype, device) -> "Fp8WeightParam":
         """A wrapper of ``shape`` / ``dtype`` / ``device`` around ``state`` (shared, not copied)."""
         out = cls._make(tuple(shape), dtype, torch.device(device))
-        out._init(recipe, state)
+        out._init(p, state)
         return out
 
     # ---- the values -------------------------------------------------------------------------
 
     @property
-    def recipe(self) -> Recipe:
-        return self._recipe
+    def plan(self) -> LinearPlan:
+        """The plan whose weight casts this weight stores."""
+        return self._plan
+
+    @property
+    def recipe(self) -> Recipe | LinearPlan:
+        """The ``Recipe`` of ``plan`` (the plan itself where it was written per GEMM)."""
+        return self._plan.given
 
     @property
     def is_staged(self) -> bool:
@@ -171,9 +180,9 @@ class Fp8WeightParam(AssignableData, GatherHooks, torch.Tensor):
     def set_casts(self, casts: dict[str, Fp8Tensor], param_dtype: torch.dtype,
                   sharding: tuple[Sharding, ...]) -> None:
         """Stores new casts (one per ``weight_casts(recipe)``) and drops staged values."""
-        names = [name for name, _ in weight_casts(self._recipe)]
+        names = [name for name, _ in weight_casts(self._plan)]
         if sorted(casts) != sorted(names):
-            raise ValueError(f"Fp8WeightParam.set_casts: recipe {self._recipe.name!r} needs casts {names}, "
+            raise ValueError(f"Fp8WeightParam.set_casts: recipe {self._plan.name!r} needs casts {names}, "
                              f"got {sorted(casts)}.")
         state = self._state
         state.staged, state.casts = None, dict(casts)
@@ -189,7 +198,7 @@ class Fp8WeightParam(AssignableData, GatherHooks, torch.Tensor):
             return
         values = self._state.staged.to(param_dtype)
         casts = {name: quantize(values, spec, sharding=sharding or None)
-                 for name, spec in weight_casts(self._recipe)}
+                 for name, spec in weight_casts(self._plan)}
         self.set_casts(casts, param_dtype, sharding)
 
     def casts(self) -> dict[str, Fp8Tensor]:
@@ -230,14 +239,14 @@ class Fp8WeightParam(AssignableData, GatherHooks, torch.Tensor):
     def __tensor_flatten__(self):
         state = self._state
         if state.staged is not None:
-            return ["_staged"], (self._recipe, self.dtype, None, state.param_dtype, state.sharding)
+            return ["_staged"], (self._plan, self.dtype, None, state.param_dtype, state.sharding)
         metas = tuple((name, q.meta) for name, q in (state.casts or {}).items())
         names = [f"_{n}_{part}" for n, _ in metas for part in ("data", "scale")]
-        return names, (self._recipe, self.dtype, metas, state.param_dtype, state.sharding)
+        return names, (self._plan, self.dtype, metas, state.param_dtype, state.sharding)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        recipe, dtype, metas, param_dtype, sharding = ctx
+        p, dtype, metas, param_dtype, sharding = ctx
         if metas is None:
             state = State(staged=inner["_staged"], param_dtype=param_dtype, sharding=sharding)
             device = inner["_staged"].device
@@ -245,7 +254,7 @@ class Fp8WeightParam(AssignableData, GatherHooks, torch.Tensor):
             casts = {n: Fp8Tensor(inner[f"_{n}_data"], inner[f"_{n}_scale"], m) for n, m in metas}
             state = State(casts=casts, param_dtype=param_dtype, sharding=sharding)
             device = inner[f"_{metas[0][0]}_data"].device
-        return Fp8WeightParam._wrap(recipe, state, outer_size, dtype, device)
+        return Fp8WeightParam._wrap(p, state, outer_size, dtype, device)
 
     def __getattr__(self, name: str):
         # The inner tensors, by the names __tensor_flatten__ gives (they live in the shared state).
@@ -264,7 +273,7 @@ class Fp8WeightParam(AssignableData, GatherHooks, torch.Tensor):
         state = self._state
         kind = "staged" if state.staged is not None else "shell" if state.casts is None else \
             "casts=" + ",".join(state.casts)
-        return (f"Fp8WeightParam(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._recipe.name}, "
+        return (f"Fp8WeightParam(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._plan.name}, "
                 f"{kind}, device={self.device})")
 
     def data_ptr(self) -> int:

@@ -86,7 +86,7 @@ def _map_state(state: State, fn, scale_fn=None) -> State:
 
 
 def _wrap(cls, self, state: State, shape=None, dtype=None):
-    return cls._wrap(self._recipe, state, self.shape if shape is None else shape, dtype or self.dtype,
+    return cls._wrap(self._plan, state, self.shape if shape is None else shape, dtype or self.dtype,
                      _device_of(state, self.device))
 
 
@@ -169,7 +169,7 @@ def _new(cls, self, size, fill, dtype=None, layout=None, device=None, pin_memory
                 scale = q.scale.new_zeros((m // b, *q.scale.shape[1:]), device=device)
             casts[name] = Fp8Tensor(fill(q.data, (m, size[1]), device=device), scale, q.meta)
         new = state.carry(casts=casts)
-    return cls._wrap(self._recipe, new, (m, size[1]), self.dtype, device)
+    return cls._wrap(self._plan, new, (m, size[1]), self.dtype, device)
 
 
 def _new_zeros(cls, self, size, **kwargs):
@@ -191,7 +191,7 @@ def _empty_like(cls, self, dtype=None, layout=None, device=None, pin_memory=None
         new = state.carry(staged=torch.empty_like(state.staged, dtype=dtype, device=device))
     else:
         new = _map_state(state, lambda t: torch.empty_like(t, device=device))
-    return cls._wrap(self._recipe, new, self.shape, dtype, _device_of(new, self.device))
+    return cls._wrap(self._plan, new, self.shape, dtype, _device_of(new, self.device))
 
 
 def _to_copy(cls, self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
@@ -205,7 +205,7 @@ def _to_copy(cls, self, dtype=None, layout=None, device=None, pin_memory=None, n
         new = state.carry(staged=aten._to_copy(state.staged, dtype=dtype, device=device, non_blocking=non_blocking))
     else:
         new = _map_state(state, lambda t: aten._to_copy(t, device=device, non_blocking=non_blocking))
-    return cls._wrap(self._recipe, new, self.shape, dtype, _device_of(new, self.device))
+    return cls._wrap(self._plan, new, self.shape, dtype, _device_of(new, self.device))
 
 
 def _clone(cls, self, memory_format=None):

@@ -40,6 +40,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .._casts import amax_for_cast, cast, cast_with_scale, scale_for_cast, use_kernels, weight_casts
 from .._collectives import gather_padded
 from .._gathered import Fp8GatheredWeight
+from .._log import warn_once
+from .._plan import LinearPlan
+from .._plan import plan as to_plan
 from .._qtensor import Fp8Meta, Fp8Tensor, trusted_fp8_tensor
 from .._scaling import Recipe, TensorWise, block_lengths, compute_scale
 from .._sharding import Sharding
@@ -95,11 +98,11 @@ class GatherHooks:
     (None until the first all-gather) and an ``_fsdp_group`` list (``compat.find_fsdp_param``'s cache)."""
 
     def _weight_casts(self) -> list:
-        """``weight_casts(self._recipe)``, kept while the recipe is the same object (host time: the
+        """``weight_casts(self._plan)``, kept while the plan is the same object (host time: the
         optimizer step's precompute asks it of every weight, every step)."""
         kept = self.__dict__.get("_casts_kept")
-        if kept is None or kept[0] is not self._recipe:
-            kept = self._casts_kept = (self._recipe, weight_casts(self._recipe))
+        if kept is None or kept[0] is not self._plan:
+            kept = self._casts_kept = (self._plan, weight_casts(self._plan))
         return kept[1]
 
     def _gather_plan(self, mesh, outer_size, local_shape, fix: str):
@@ -108,10 +111,10 @@ class GatherHooks:
         runs at every all-gather; this is pure host work)."""
         key = (mesh.size(), tuple(outer_size), tuple(local_shape))
         kept = self.__dict__.get("_plan_kept")
-        if kept is not None and kept[0] is self._recipe and kept[1] == key:
+        if kept is not None and kept[0] is self._plan and kept[1] == key:
             return kept[2]
         plan = self._make_gather_plan(mesh, outer_size, local_shape, fix)
-        self._plan_kept = (self._recipe, key, plan)
+        self._plan_kept = (self._plan, key, plan)
         return plan
 
     def _make_gather_plan(self, mesh, outer_size, local_shape, fix: str):
@@ -122,7 +125,7 @@ class GatherHooks:
                 f"{tuple(local_shape)}); the fp8 all-gather supports dim-0 sharding only. Drop the "
                 f"shard_placement_fn for this parameter or {fix}."
             )
-        casts = weight_casts(self._recipe)
+        casts = weight_casts(self._plan)
         sizes = chunk_sizes(n, mesh.size())
         _check_block_alignment(casts, n, k, sizes, mesh.size())
         return n, k, casts, sizes
@@ -240,15 +243,15 @@ class Fp8AllGatherWeight(AssignableData, GatherHooks, torch.Tensor):
     """
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, recipe: Recipe, writes: _Writes | None = None):
+    def __new__(cls, tensor: torch.Tensor, recipe: Recipe | LinearPlan | str, writes: _Writes | None = None):
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
             dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad,
         )
 
-    def __init__(self, tensor: torch.Tensor, recipe: Recipe, writes: _Writes | None = None):
+    def __init__(self, tensor: torch.Tensor, recipe: Recipe | LinearPlan | str, writes: _Writes | None = None):
         self._tensor = tensor
-        self._recipe = recipe
+        self._plan = to_plan(recipe)
         self._param_dtype: torch.dtype | None = None  # learnt at the first all-gather
         # In-place ops on this wrapper and on its aliases (detach, .data, views): see weight_version.
         self._writes = writes if writes is not None else _Writes()
@@ -272,18 +275,24 @@ class Fp8AllGatherWeight(AssignableData, GatherHooks, torch.Tensor):
         if func._schema.is_mutable:  # e.g. the optimizer's update: scales made before are stale
             for writes in {id(t._writes): t._writes for t in wrappers}.values():
                 writes.n += 1
-        recipe = wrappers[0]._recipe
+        p = wrappers[0]._plan
         out = func(*args, **(kwargs or {}))
         if func not in STRUCTURAL_OPS:
             return out
         # Aliases (views, row pieces, the destination of copy_) count writes with the weight they
         # alias; copies and new tensors start their own count.
         shared = wrappers[0]._writes if func not in NEW_OPS | COPY_OPS else None
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, recipe, shared), out)
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, p, shared), out)
 
     @property
-    def recipe(self) -> Recipe:
-        return self._recipe
+    def plan(self) -> LinearPlan:
+        """The plan whose weight casts FSDP2 all-gathers."""
+        return self._plan
+
+    @property
+    def recipe(self) -> Recipe | LinearPlan:
+        """The ``Recipe`` of ``plan`` (the plan itself where it was written per GEMM)."""
+        return self._plan.given
 
     def hp_values(self) -> torch.Tensor:
         """The wrapped high-precision tensor itself (a plain tensor sharing this weight's storage)."""
@@ -300,22 +309,22 @@ class Fp8AllGatherWeight(AssignableData, GatherHooks, torch.Tensor):
     def _take_data(self, new: "Fp8AllGatherWeight") -> None:
         # ``param.data = new`` (AssignableData): new values, so every kept scale is stale; writes
         # through ``new`` and its aliases count for this weight from now on (they share its values).
-        self._tensor, self._recipe, self._writes = new._tensor, new._recipe, new._writes
+        self._tensor, self._plan, self._writes = new._tensor, new._plan, new._writes
         self._writes.n += 1
         self._scales.clear()
 
     def _wrap_data(self, values: torch.Tensor) -> "Fp8AllGatherWeight":
-        return Fp8AllGatherWeight(values, self._recipe)
+        return Fp8AllGatherWeight(values, self._plan)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], self._recipe
+        return ["_tensor"], self._plan
 
     @staticmethod
-    def __tensor_unflatten__(inner, recipe, outer_size, outer_stride):
-        return Fp8AllGatherWeight(inner["_tensor"], recipe)
+    def __tensor_unflatten__(inner, p, outer_size, outer_stride):
+        return Fp8AllGatherWeight(inner["_tensor"], p)
 
     def __repr__(self):
-        return f"Fp8AllGatherWeight({self._tensor!r}, recipe={self._recipe.name})"
+        return f"Fp8AllGatherWeight({self._tensor!r}, recipe={self._plan.name})"
 
     def data_ptr(self) -> int:
         # The wrapped tensor's address. A wrapper subclass has no storage, so the default is 0 for
@@ -328,7 +337,7 @@ class Fp8AllGatherWeight(AssignableData, GatherHooks, torch.Tensor):
         # wrapper does not have), with the same flags (requires_grad, nn.Parameter).
         if id(self) not in memo:
             with torch.no_grad():
-                out = Fp8AllGatherWeight(self._tensor.clone(), self._recipe)
+                out = Fp8AllGatherWeight(self._tensor.clone(), self._plan)
             out.requires_grad_(self.requires_grad)
             if getattr(self, "_is_param", False):
                 out._is_param = True
@@ -552,18 +561,10 @@ def _fsdp_pass(weight, module) -> tuple[str, bool]:
     """("forward" | "backward" | "unknown", reshard_after_forward) of the FSDP2 group holding ``weight``."""
     found = find_fsdp_param(weight, weight._fsdp_group)
     if found is None:
-        _warn_once("could not find this weight's FSDP2 parameter group; gathering both row-wise casts")
+        warn_once("no fsdp group", "fp8func: %s",
+                  "could not find this weight's FSDP2 parameter group; gathering both row-wise casts")
         return "unknown", False
     return fsdp_pass(found[0]), reshards_after_forward(found[0])
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        log.warning("fp8func: %s", msg)
 
 
 @torch.no_grad()
@@ -599,7 +600,7 @@ def _precompute(params) -> int:
             continue
         if local._param_dtype is None:  # never all-gathered yet: the param dtype is not known
             continue
-        if not isinstance(local._recipe.weight.granularity, TensorWise) or len(local._weight_casts()) != 1:
+        if not isinstance(local._plan.output.b.granularity, TensorWise) or len(local._weight_casts()) != 1:
             others.append(local)
             continue
         groups.setdefault(p.device_mesh, []).append(local)
@@ -616,7 +617,7 @@ def _precompute(params) -> int:
         amax = _reduce_max_eager(amax, mesh, tuple(range(mesh.ndim)))
         kinds: dict = {}  # one scale computation per (fp8 dtype, power of 2) over all its weights
         for i, w in enumerate(weights):
-            kinds.setdefault((w._recipe.weight.dtype, w._recipe.weight.pow2_scales), []).append(i)
+            kinds.setdefault((w._plan.output.b.dtype, w._plan.output.b.pow2_scales), []).append(i)
         for (dtype, pow2), rows in kinds.items():
             # slices, not an index list (whose copy to the device would wait for the GPU)
             picked = amax if len(kinds) == 1 else torch.stack([amax[i] for i in rows])
@@ -684,7 +685,7 @@ def _cast_kept(weights: list, scales: torch.Tensor) -> None:
     one = [row.reshape(1, 1) for row in scales[:, :1].split(1)]
     groups: dict = {}
     for i, w in enumerate(weights):
-        t, spec = w._tensor, w._recipe.weight
+        t, spec = w._tensor, w._plan.output.b
         round_to = w._param_dtype if t.dtype != w._param_dtype else None
         if (use_kernels(t, spec) and t.ndim == 2 and t.is_contiguous()
                 and round_to in (None, torch.bfloat16) and (round_to is None or t.dtype == torch.float32)):

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from .._casts import activation_casts, cast, grad_output_casts
 from .._collectives import gather_padded, gather_rows
 from .._gathered import Fp8GatheredWeight
+from .._log import warn_once
 from .._qtensor import Fp8Tensor
 from .._scaling import Recipe, raw_block_lengths
 from .._sharding import Sharding
@@ -29,7 +30,6 @@ from ..nn._linear import Fp8Linear
 __all__ = ["Fp8ColwiseParallel", "Fp8RowwiseParallel", "PrepareFp8ModuleInput", "sequence_all_gather"]
 
 log = logging.getLogger("fp8func")
-_logged: set = set()
 
 
 def _token_block(spec) -> int | None:
@@ -46,12 +46,12 @@ def _split_token_block(s_local: int, specs) -> int | None:
 def _fp8_gather_fits(s_local: int, specs) -> bool:
     """Whether the FP8 sequence gather applies; if not, says once why the layer gathers in bf16."""
     block = _split_token_block(s_local, specs)
-    if block is not None and (s_local, block) not in _logged:
-        _logged.add((s_local, block))
-        log.warning("fp8func: sequence shards of %d tokens split the %d-token scale blocks of the cast; "
-                    "these layers gather their activations in high precision (correct, twice the bytes). "
-                    "A sequence length divisible by %d x TP size lets them gather in FP8.",
-                    s_local, block, block)
+    if block is not None:
+        warn_once(("split token block", s_local, block),
+                  "fp8func: sequence shards of %d tokens split the %d-token scale blocks of the cast; "
+                  "these layers gather their activations in high precision (correct, twice the bytes). "
+                  "A sequence length divisible by %d x TP size lets them gather in FP8.",
+                  s_local, block, block)
     return block is None
 
 

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from .._log import warn_once
 from .._qtensor import Fp8Meta, Fp8Tensor
 from .._scaling import (
     AxisWise,
@@ -39,14 +40,10 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-_LOGGED = []
-
-
 def _log_fallback_once() -> None:
-    if not _LOGGED and not torch.compiler.is_compiling():
-        _LOGGED.append(True)
-        _log.warning("fp8func.kernels: triton is not installed; CUDA tensors run the PyTorch twins "
-                     "(same bits, slower). Install triton for the fused kernels.")
+    if not torch.compiler.is_compiling():
+        warn_once("no triton", "fp8func.kernels: triton is not installed; CUDA tensors run the PyTorch twins "
+                  "(same bits, slower). Install triton for the fused kernels.", logger="fp8func.kernels")
 
 
 def _interpreting() -> bool:

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .._autograd import unpack_state
 from .._delayed import LinearScalingState, ScalingState
 from ._linear import Fp8Linear
 
@@ -36,17 +35,6 @@ def scaling_states(model: nn.Module) -> dict[str, torch.Tensor]:
     """The delayed-scaling states of ``model``'s layers, by buffer name (detached views):
     the ``states`` that ``apply`` takes. Empty for a model without delayed scaling."""
     return {name: t.detach() for name, t in model.named_buffers() if name.rpartition(".")[2] in Fp8Linear._STATE_NAMES}
-
-
-@contextlib.contextmanager
-def _explicit_states(layers: list[Fp8Linear]):
-    for layer in layers:
-        layer._in_apply, layer._pending = True, None
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer._in_apply, layer._pending = False, None
 
 
 def apply(model: nn.Module, params: dict[str, torch.Tensor], states: dict[str, torch.Tensor], *args,
@@ -69,17 +57,20 @@ def apply(model: nn.Module, params: dict[str, torch.Tensor], states: dict[str, t
                          "pass fp8func.nn.scaling_states(model) (or tensors under those names).")
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)
               and m.recipe.delayed is not None]
-    with _explicit_states([m for _, m in layers]):
+    with contextlib.ExitStack() as stack:
+        for _, m in layers:
+            stack.enter_context(m.explicit_states())
         out = functional_call(model, {**params, **states}, args, kwargs, tie_weights=True, strict=False)
         passed = dict(states)
         for name, m in layers:
-            if m._pending is None:
-                continue
             prefix = f"{name}." if name else ""
             read = lambda attr: states.get(prefix + attr, getattr(m, attr))  # noqa: E731  (the state this call read)
             given = LinearScalingState(*(ScalingState(read(f"fp8_{r}_history"), read(f"fp8_{r}_scale"))
                                          for r in Fp8Linear._STATE))
-            for role, st in zip(Fp8Linear._STATE, unpack_state(m._pending, given)):
+            new = m.passed_on(given)
+            if new is None:
+                continue
+            for role, st in zip(Fp8Linear._STATE, new):
                 passed[f"{prefix}fp8_{role}_history"], passed[f"{prefix}fp8_{role}_scale"] = st
     return out, passed
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._log import warn_once
 from .._plan import LinearPlan, operand, plan
 from .._scaling import AxisWise, BlockWise, Recipe, TensorWise
 
@@ -65,7 +66,6 @@ def _load_profiles() -> dict[str, DeviceProfile]:
 
 PROFILES = _load_profiles()
 _FALLBACK = "H200"
-_warned: set[str] = set()
 
 
 def profile_for(device: torch.device | str | None = None) -> DeviceProfile:
@@ -79,10 +79,8 @@ def profile_for(device: torch.device | str | None = None) -> DeviceProfile:
         for key in PROFILES:
             if key in name:
                 return PROFILES[key]
-    if name not in _warned:
-        _warned.add(name)
-        log.warning("fp8func: convert(filter='auto') has no calibration for %s; using the %s's (%s).", name,
-                    _FALLBACK, PROFILES[_FALLBACK].source)
+    warn_once(("no calibration", name), "fp8func: convert(filter='auto') has no calibration for %s; using the %s's "
+              "(%s).", name, _FALLBACK, PROFILES[_FALLBACK].source)
     return PROFILES[_FALLBACK]
 
 

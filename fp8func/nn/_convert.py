@@ -20,9 +20,10 @@ from typing import Callable, Sequence
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._scaling import AxisWise, Recipe, block_lengths
+from .._plan import LinearPlan, plan, why_high_precision
+from .._scaling import AxisWise, Recipe
 from ._auto import MARGIN, estimate_ms, profile_for
-from ._linear import Fp8Linear, check_fp8_weights
+from ._linear import Fp8Linear, check_fp8_weights, hook_scaling_states
 from ._moe import Fp8Experts, is_fused_experts
 from ._outcome import EXCLUDED, outcome
 from ._shared import share_input_casts as _share_input_casts
@@ -67,13 +68,6 @@ class Report(list):
         return "\n".join(lines + [f"{n}/{len(self)} linear layers in FP8"])
 
 
-def _recipe(recipe) -> Recipe:
-    recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"convert: recipe={recipe!r}; expected a Recipe or a name such as 'tensorwise'.")
-    return recipe
-
-
 def _selector(filter) -> Callable[[nn.Module, str], bool] | None:
     """``filter`` as a predicate (module, fqn) -> convert it; None for "convert every layer"."""
     if filter is None or filter == "auto":
@@ -94,22 +88,21 @@ def matches(pattern: str, fqn: str) -> bool:
     return fnmatch.fnmatchcase(fqn, pattern) if any(c in pattern for c in "*?[") else pattern in fqn
 
 
-def _why_not(module: nn.Linear, recipe: Recipe) -> str:
-    k, n = module.in_features, module.out_features
-    if k % 16 or n % 16:
-        return f"K={k}, N={n}: FP8 GEMMs need both divisible by 16"
-    for role, spec, shape in (("weight", recipe.weight, (n, k)), ("input", recipe.input, (16, k))):
-        try:
-            block_lengths(spec.granularity, shape)
-        except ValueError:
-            return f"{role} cast {spec.granularity!r} does not tile {role} of shape {shape}"
-    return ""
+_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
-def _auto(module: nn.Linear, recipe: Recipe, tokens: int, profile) -> tuple[str, str]:
+def canonical_fqn(fqn: str) -> str:
+    """``fqn`` without the names that torch.compile, activation checkpointing and FSDP1 wrappers
+    add: one layer's name, wrapped or not."""
+    for w in _WRAPPERS:
+        fqn = fqn.replace(w, "")
+    return fqn
+
+
+def _auto(module: nn.Linear, p: LinearPlan, tokens: int, profile) -> tuple[str, str]:
     """(reason to keep bf16 or "", note for a converted layer) from the roofline model."""
     k, n = module.in_features, module.out_features
-    bf16, fp8 = estimate_ms(tokens, k, n, None, profile), estimate_ms(tokens, k, n, recipe, profile)
+    bf16, fp8 = estimate_ms(tokens, k, n, None, profile), estimate_ms(tokens, k, n, p, profile)
     figures = f"modelled fwd+bwd at {tokens} tokens on {profile.name}: fp8 {fp8:.3f} ms, bf16 {bf16:.3f} ms"
     if fp8 * MARGIN > bf16:
         why = "FP8 not faster" if fp8 >= bf16 else f"FP8 {bf16 / fp8:.2f}x faster, under the {MARGIN}x margin"
@@ -127,19 +120,19 @@ class _Decision:
     change: bool
 
 
-def _linear_decision(fqn, module, recipe, select, profile, tokens, gather, fp8_weights, uses) -> _Decision:
+def _linear_decision(fqn, module, p: LinearPlan, select, profile, tokens, gather, fp8_weights, uses) -> _Decision:
     k, n = module.in_features, module.out_features
     existing = isinstance(module, Fp8Linear)
     if select is not None and not select(module, fqn):
         if existing:  # converted by an earlier call; this one leaves it alone
             return _Decision(fqn, module, _row_of(fqn, module, _KEEP + "excluded by this call's filter"), False)
         return _Decision(fqn, module, LayerReport(fqn, False, EXCLUDED, None, k, n, False), False)
-    reason, note = _why_not(module, recipe), ""
+    reason, note = why_high_precision(p, k, n), ""
     if not reason and profile is not None:
-        reason, note = _auto(module, recipe, tokens, profile)
+        reason, note = _auto(module, p, tokens, profile)
     if reason:
         return _Decision(fqn, module, LayerReport(fqn, False, reason, None, k, n, False), existing)
-    delayed_weight = recipe.delayed is not None and recipe.delayed.weight
+    delayed_weight = p.delayed is not None and p.delayed.weight
     fp8_gather = gather and uses[id(module.weight)] == 1 and not delayed_weight
     if gather and delayed_weight:
         extra = ("delayed scaling casts the gathered weight itself, so FSDP2 all-gathers it in bf16 "
@@ -149,10 +142,10 @@ def _linear_decision(fqn, module, recipe, select, profile, tokens, gather, fp8_w
                  else "weight is shared with another module, so it is all-gathered in bf16")
     else:
         extra = ""
-    row = LayerReport(fqn, True, "; ".join(x for x in (note, extra) if x), recipe.name, k, n, fp8_gather,
+    row = LayerReport(fqn, True, "; ".join(x for x in (note, extra) if x), p.name, k, n, fp8_gather,
                       fp8_weights and fp8_gather)
-    if existing and (module.recipe, module.fsdp_fp8_all_gather, module.fp8_weights) == \
-            (recipe, row.fsdp_fp8_all_gather, row.fp8_weights):
+    if existing and (module.plan, module.fsdp_fp8_all_gather, module.fp8_weights) == \
+            (p, row.fsdp_fp8_all_gather, row.fp8_weights):
         return _Decision(fqn, module, _row_of(fqn, module, _KEEP + "already in FP8 with this recipe and options"),
                          False)
     return _Decision(fqn, module, row, True)
@@ -163,17 +156,19 @@ def _row_of(fqn: str, m: Fp8Linear, reason: str) -> LayerReport:
                        m.fp8_weights)
 
 
-def _experts_decision(fqn, module, recipe, select) -> _Decision:
+def _experts_decision(fqn, module, p: LinearPlan, select) -> _Decision:
     e, f2, h = module.gate_up_proj.shape
     existing = isinstance(module, Fp8Experts)
     if select is not None and not select(module, fqn):
         reason = (_KEEP if existing else "") + EXCLUDED
         row = LayerReport(fqn, existing, reason, module.recipe.name if existing else None, h, f2, False)
         return _Decision(fqn, module, row, False)
-    rowwise = all(isinstance(s.granularity, AxisWise) and s.granularity.axis in (-1, 1)
-                  for s in (recipe.input, recipe.weight, recipe.grad_output))
+    recipe = p.recipe
+    rowwise = recipe is not None and all(isinstance(s.granularity, AxisWise) and s.granularity.axis in (-1, 1)
+                                         for s in (recipe.input, recipe.weight, recipe.grad_output))
     if not rowwise:
-        why = f"MoE experts kept high precision: FP8 grouped GEMMs take row-wise recipes, not {recipe.name!r}"
+        what = f"not {p.name!r}" if recipe is not None else f"not the per-GEMM LinearPlan {p.name!r}"
+        why = f"MoE experts kept high precision: FP8 grouped GEMMs take row-wise recipes, {what}"
         return _Decision(fqn, module, LayerReport(fqn, False, why, None, h, f2, False), existing)
     if existing and module.recipe == recipe:
         row = LayerReport(fqn, True, _KEEP + "already in FP8 with this recipe", recipe.name, h, f2, False)
@@ -192,9 +187,9 @@ def _check_model(fn: str, model) -> None:
             "fp8func.linear(x, weight, recipe=...).")
 
 
-def _decide(model, recipe, filter, fsdp_fp8_all_gather, fp8_weights, tokens) -> list[_Decision]:
+def _decide(model, p: LinearPlan, filter, fsdp_fp8_all_gather, fp8_weights, tokens) -> list[_Decision]:
     if fp8_weights:
-        check_fp8_weights(recipe, fsdp_fp8_all_gather)
+        check_fp8_weights(p, fsdp_fp8_all_gather)
     select = _selector(filter)  # raises for anything but the accepted forms
     profile = profile_for() if filter == "auto" else None
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -203,10 +198,10 @@ def _decide(model, recipe, filter, fsdp_fp8_all_gather, fp8_weights, tokens) -> 
         if type(m) is nn.Linear or isinstance(m, Fp8Linear):
             if not fqn:
                 raise ValueError("convert: the model itself is an nn.Linear; wrap it in a module first.")
-            out.append(_linear_decision(fqn, m, recipe, select, profile, tokens, fsdp_fp8_all_gather,
+            out.append(_linear_decision(fqn, m, p, select, profile, tokens, fsdp_fp8_all_gather,
                                         fp8_weights, uses))
         elif fqn and (is_fused_experts(m) or isinstance(m, Fp8Experts)):
-            out.append(_experts_decision(fqn, m, recipe, select))
+            out.append(_experts_decision(fqn, m, p, select))
     if isinstance(filter, (list, tuple, set, frozenset)):
         unused = [p for p in filter if not any(matches(p, d.fqn) for d in out)]
         if unused:
@@ -216,7 +211,7 @@ def _decide(model, recipe, filter, fsdp_fp8_all_gather, fp8_weights, tokens) -> 
 
 def plan_conversion(
     model: nn.Module,
-    recipe: Recipe | str = "tensorwise",
+    recipe: Recipe | LinearPlan | str = "tensorwise",
     *,
     filter: Callable[[nn.Module, str], bool] | str | Sequence[str] | None = None,
     fsdp_fp8_all_gather: bool = True,
@@ -231,12 +226,13 @@ def plan_conversion(
         >>> print(fp8func.nn.plan_conversion(model, "rowwise", filter=["lm_head"]))
     """
     _check_model("plan_conversion", model)
-    return Report(d.row for d in _decide(model, _recipe(recipe), filter, fsdp_fp8_all_gather, fp8_weights, tokens))
+    p = plan(recipe, "plan_conversion")
+    return Report(d.row for d in _decide(model, p, filter, fsdp_fp8_all_gather, fp8_weights, tokens))
 
 
 def convert(
     model: nn.Module,
-    recipe: Recipe | str = "tensorwise",
+    recipe: Recipe | LinearPlan | str = "tensorwise",
     *,
     filter: Callable[[nn.Module, str], bool] | str | Sequence[str] | None = None,
     fsdp_fp8_all_gather: bool = True,
@@ -246,6 +242,8 @@ def convert(
 ) -> nn.Module:
     """Puts ``model``'s linear layers in FP8 in place (``Fp8Linear``), per ``plan_conversion``; returns ``model``.
 
+    ``recipe``: a ``Recipe``, a recipe name, or a ``LinearPlan`` (casts per GEMM, e.g. a mixed
+    plan), resolved once: every layer this call converts holds that one plan.
     Parameters keep their names, values and state_dict keys. ``filter`` selects the layers:
 
     * a callable ``filter(module, fqn) -> bool``: True converts the layer;
@@ -283,23 +281,24 @@ def convert(
     FP8 with other options are converted again.
     """
     _check_model("convert", model)
-    recipe = _recipe(recipe)
-    decisions = _decide(model, recipe, filter, fsdp_fp8_all_gather, fp8_weights, tokens)
+    p = plan(recipe, "convert")  # resolved once: every layer this call converts holds this one object
+    decisions = _decide(model, p, filter, fsdp_fp8_all_gather, fp8_weights, tokens)
     sharded = [d.fqn for d in decisions if d.change and _is_sharded(d.module)]
     if sharded:
         raise ValueError(
             f"convert: {len(sharded)} layer(s) are in FP8 already with other options and sharded (FSDP2 / tensor "
             f"parallel), e.g. {sharded[0]}: they cannot be converted again in place. Convert once, before "
             "fully_shard / parallelize_module, or exclude them from this call with filter=[...].")
-    plan = Report(d.row for d in decisions)
+    rows = Report(d.row for d in decisions)
     for d in decisions:
         if d.change:
-            _replace(model, d.fqn, _apply(d, recipe, plan))
+            _replace(model, d.fqn, _apply(d, p, rows))
+    hook_scaling_states(model)  # the delayed layers' next states: one write for the model
     if share_input_casts:
         _share_input_casts(model)
     else:
         unshare_input_casts(model)
-    options = f"recipe={recipe.name}, fsdp_fp8_all_gather={fsdp_fp8_all_gather}" + \
+    options = f"recipe={p.name}, fsdp_fp8_all_gather={fsdp_fp8_all_gather}" + \
         (", fp8_weights=True" if fp8_weights else "")
     level, message = outcome(decisions, options)
     log.log(level, "%s", message)
@@ -310,8 +309,8 @@ def _is_sharded(m: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in m.parameters(recurse=False))
 
 
-def _apply(d: _Decision, recipe: Recipe, plan: Report) -> nn.Module:
-    """The module ``d`` asks for: a (new) FP8 layer carrying its note and ``plan``, or the high-precision one."""
+def _apply(d: _Decision, p: LinearPlan, rows: Report) -> nn.Module:
+    """The module ``d`` asks for: a (new) FP8 layer carrying its note and ``rows``, or the high-precision one."""
     module = d.module
     if isinstance(module, Fp8Linear):
         module = module.to_linear()
@@ -320,12 +319,12 @@ def _apply(d: _Decision, recipe: Recipe, plan: Report) -> nn.Module:
     if not d.row.converted:
         return module
     if isinstance(module, nn.Linear):
-        new = Fp8Linear.from_linear(module, recipe, fsdp_fp8_all_gather=d.row.fsdp_fp8_all_gather,
+        new = Fp8Linear.from_linear(module, p, fsdp_fp8_all_gather=d.row.fsdp_fp8_all_gather,
                                     fp8_weights=d.row.fp8_weights)
         new.train(module.training)
     else:
-        new = Fp8Experts(module, recipe)
-    new.note, new.conversion = d.row.reason, plan
+        new = Fp8Experts(module, p.recipe)
+    new.record_conversion(d.row.reason, rows)
     return new
 
 
@@ -368,8 +367,8 @@ def planned(model: nn.Module) -> dict[str, LayerReport]:
     plans = {id(m.conversion): m.conversion for m in model.modules()
              if isinstance(m, (Fp8Linear, Fp8Experts)) and m.conversion is not None}
     rows: dict[str, LayerReport] = {}
-    for plan in sorted(plans.values(), key=lambda p: p.serial):
-        for row in plan:
+    for conversion in sorted(plans.values(), key=lambda r: r.serial):
+        for row in conversion:
             if not row.reason.startswith(_KEEP):
                 rows[row.fqn] = row
     return rows
@@ -406,7 +405,8 @@ def hp_reason(row: LayerReport | None, m: nn.Module) -> str:
         return row.reason
     if row is not None:
         return "convert() put it in FP8, but it has been replaced by a high-precision module since"
-    if isinstance(m, nn.Linear) and (m.in_features % 16 or m.out_features % 16):
-        return f"K={m.in_features}, N={m.out_features}: FP8 GEMMs need both divisible by 16"
+    why = why_high_precision(None, m.in_features, m.out_features) if isinstance(m, nn.Linear) else ""
+    if why:
+        return why
     return ("not converted (no FP8 layer of the model carries a convert() decision on it; "
             "fp8func.nn.plan_conversion(model, recipe, ...) gives the reason)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 
@@ -13,7 +14,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from .._autograd import fp8_linear, unpack_state
 from .._delayed import LinearScalingState, refresh
 from .._gathered import casts_only, gathered_casts
+from .._plan import LinearPlan, plan
 from .._scaling import Recipe
+from .._sharding import Sharding
+from ._state_writes import StateWrites
 from ._weights import (
     FP8_ALL_GATHER,
     FP8_WEIGHTS,
@@ -48,6 +52,10 @@ _HOOKED = _Hooked()
 
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` computed in FP8 per ``recipe``; same parameters and state_dict keys.
+
+    ``recipe``: a ``Recipe``, a recipe name or a per-GEMM ``LinearPlan``, resolved once to the
+    layer's ``plan``, which every forward runs; ``recipe`` reads back the ``Recipe`` (or the plan
+    where one was given).
 
     With ``fsdp_fp8_all_gather=True`` the weight is an ``Fp8AllGatherWeight``: a plain
     high-precision tensor to everything except FSDP2, which then all-gathers it as fp8 bytes,
@@ -94,33 +102,103 @@ class Fp8Linear(nn.Linear):
     # ``_in_apply`` says fp8func.nn.apply is running the model (states explicit, no hooks)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 recipe: Recipe | str = "tensorwise", fsdp_fp8_all_gather: bool = True, fp8_weights: bool = False):
+                 recipe: Recipe | LinearPlan | str = "tensorwise", fsdp_fp8_all_gather: bool = True,
+                 fp8_weights: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._pending, self._in_apply, self._packed = None, False, None  # instance attributes: stable guards
-        self.recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
+        # resolved once: every forward passes this frozen object on (a constant to torch.compile)
+        self.plan: LinearPlan = plan(recipe, "Fp8Linear")
         self.fsdp_fp8_all_gather = fsdp_fp8_all_gather
         self.fp8_weights = fp8_weights
         if fp8_weights:
-            check_fp8_weights(self.recipe, fsdp_fp8_all_gather)
-            self.weight = nn.Parameter(weight_type(FP8_WEIGHTS)(self.weight.data, self.recipe))
+            check_fp8_weights(self.plan, fsdp_fp8_all_gather)
+            self.weight = nn.Parameter(weight_type(FP8_WEIGHTS)(self.weight.data, self.plan))
             return
-        if self.recipe.delayed is not None:
-            if self.recipe.delayed.weight:
+        if self.plan.delayed is not None:
+            if self.plan.delayed.weight:
                 fsdp_fp8_all_gather = False  # the FSDP2 fp8 gather casts dynamically; see convert()
                 self.fsdp_fp8_all_gather = False
             self._init_state(self.weight.device)
         if fsdp_fp8_all_gather:
-            self.weight = nn.Parameter(weight_type(FP8_ALL_GATHER)(self.weight.data, self.recipe))
+            self.weight = nn.Parameter(weight_type(FP8_ALL_GATHER)(self.weight.data, self.plan))
+
+    @property
+    def recipe(self) -> Recipe | LinearPlan:
+        """The ``Recipe`` the layer was made with (a name resolved), or its ``LinearPlan`` where it
+        was given one: what reports show. The layer runs ``plan``."""
+        return self.plan.given
+
+    # What other parts of the shell change on a layer, each through its own method.
+    def record_conversion(self, note: str, conversion) -> None:
+        """``convert``'s note on this layer and the ``Report`` of that call (``report`` reads them)."""
+        self.note, self.conversion = note, conversion
+
+    def attach_master(self, master: torch.Tensor | None) -> None:
+        """The master parameter ``MasterWeights`` trains for this layer's FP8 weight (held weakly)."""
+        self._master = None if master is None else weakref.ref(master)
+
+    def set_fp8_enabled(self, enabled: bool) -> None:
+        """FP8 (True) or plain high-precision ``F.linear`` (False): ``PrecisionSchedule``'s phases."""
+        self.fp8_enabled = bool(enabled)
+
+    def set_amax_sharding(self, sharding: Sharding | None) -> None:
+        """Delayed scaling: how the tokens are split over ranks, whose recorded amaxes are then
+        reduced over them (``share_scaling_state``)."""
+        self.amax_sharding = sharding
+
+    def use_input_casts(self, group) -> None:
+        """The ``SharedInputCasts`` of this layer's sibling group, or None: it casts its own input."""
+        self._input_casts = group
+
+    @contextlib.contextmanager
+    def explicit_states(self):
+        """While open, the layer reads the states it is given (``fp8func.nn.apply``) and hooks
+        nothing; ``passed_on`` reads what its last call passed on."""
+        self._in_apply, self._pending = True, None
+        try:
+            yield self
+        finally:
+            self._in_apply, self._pending = False, None
+
+    def passed_on(self, given: LinearScalingState) -> LinearScalingState | None:
+        """The state the layer's last call passed on, shaped as ``given`` (None: no call since)."""
+        return None if self._pending is None else unpack_state(self._pending, given)
+
+    def write_states_with(self, writes: StateWrites) -> None:
+        """Delayed scaling: the ``StateWrites`` that writes this layer's next state at the end of a
+        backward (``hook_scaling_states`` gives a model's layers one)."""
+        self._writes = writes
+
+    def _take_next_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """At the end of a backward: (buffer, next value) pairs of the state gradients it accumulated,
+        the gradients cleared, and the layer's step ended (no state pending, the state fresh)."""
+        self._pending = None
+        packed = self._packed
+        if packed is not None:  # one leaf (a state not recorded comes back unchanged)
+            pairs = [] if packed.grad is None else [(packed.detach(), packed.grad)]
+            packed.grad = None
+            return pairs
+        state, pairs = self.scaling_state(), []
+        for t in state.tensors():
+            if t.grad is None:  # a state the plan does not record (a dynamic weight)
+                continue
+            # A state is replicated: under TP the buffer or its gradient may be a replicated DTensor.
+            pairs.append((t.to_local() if isinstance(t, DTensor) else t,
+                          t.grad.full_tensor() if isinstance(t.grad, DTensor) else t.grad))
+            t.grad = None
+        refresh(state)
+        return pairs
 
     def _init_state(self, device) -> None:
-        state = LinearScalingState.init(self.recipe.delayed.history_len, device)
+        self._writes = StateWrites()
+        state = LinearScalingState.init(self.plan.delayed.history_len, device)
         for name, t in zip(self._STATE_NAMES, state.tensors()):
             self.register_buffer(name, t)
         self._hook_grad_output_state()
 
     def _hook_grad_output_state(self) -> None:
         """The next state comes back as the gradient of the state: make it require grad, and hook it
-        to be written into the buffers at the end of the backward (``_write_states``).
+        to be written into the buffers at the end of the backward (``StateWrites``).
 
         The six buffers are views of one packed tensor (``fp8_linear``'s packed state), the one
         leaf autograd accumulates the next state into. Buffers something replaced (``.to()``,
@@ -147,7 +225,7 @@ class Fp8Linear(nn.Linear):
                 leaf = torch.cat([t.detach().reshape(-1) for t in tensors]).requires_grad_()
                 for name, view in zip(self._STATE_NAMES, unpack_state(leaf.detach(), state).tensors()):
                     view._fp8func_hooked = _HOOKED
-                    self._buffers[name] = view
+                    self.register_buffer(name, view)
                 self._packed = leaf
         hooked = self.__dict__.get("_hooked_state")
         if hooked is not None and hooked() is leaf:
@@ -165,9 +243,9 @@ class Fp8Linear(nn.Linear):
         if state is not None:
             # A delayed-scaling state is float32 (amaxes and scales): .to(dtype) / .bfloat16() move it, not cast it.
             for name, old in zip(self._STATE_NAMES, state.tensors()):
-                new = self._buffers[name]
+                new = getattr(self, name)
                 if new.dtype != old.dtype:
-                    self._buffers[name] = old if old.device == new.device else old.detach().to(new.device)
+                    self.register_buffer(name, old if old.device == new.device else old.detach().to(new.device))
         self._hook_grad_output_state()  # .to() / .cuda() / to_empty() make new buffer tensors
         return out
 
@@ -186,31 +264,31 @@ class Fp8Linear(nn.Linear):
 
     def scaling_state(self) -> LinearScalingState | None:
         """The layer's delayed-scaling state (views of its buffers), or None for dynamic scaling."""
-        if self.recipe.delayed is None:
+        if self.plan.delayed is None:
             return None
         return LinearScalingState.from_tensors(getattr(self, name) for name in self._STATE_NAMES)
 
     @classmethod
-    def from_linear(cls, linear_: nn.Linear, recipe: Recipe, fsdp_fp8_all_gather: bool = True,
+    def from_linear(cls, linear_: nn.Linear, recipe: Recipe | LinearPlan | str, fsdp_fp8_all_gather: bool = True,
                     fp8_weights: bool = False) -> "Fp8Linear":
         """An ``Fp8Linear`` holding ``linear_``'s parameters (the same values, no re-init; with
         ``fp8_weights`` the weight's values are staged, quantized at the first use)."""
+        p = plan(recipe)
         if fp8_weights:
-            check_fp8_weights(recipe, fsdp_fp8_all_gather)
-        fsdp_fp8_all_gather = fsdp_fp8_all_gather and (recipe.delayed is None or not recipe.delayed.weight)
+            check_fp8_weights(p, fsdp_fp8_all_gather)
+        fsdp_fp8_all_gather = fsdp_fp8_all_gather and (p.delayed is None or not p.delayed.weight)
         with torch.device("meta"):
-            new = cls(linear_.in_features, linear_.out_features, bias=False, recipe=recipe,
-                      fsdp_fp8_all_gather=False)
+            new = cls(linear_.in_features, linear_.out_features, bias=False, recipe=p, fsdp_fp8_all_gather=False)
         weight = linear_.weight
         if fp8_weights:
-            weight = nn.Parameter(weight_type(FP8_WEIGHTS)(weight.data, recipe), requires_grad=weight.requires_grad)
+            weight = nn.Parameter(weight_type(FP8_WEIGHTS)(weight.data, p), requires_grad=weight.requires_grad)
         elif fsdp_fp8_all_gather:
-            weight = nn.Parameter(weight_type(FP8_ALL_GATHER)(weight.data, recipe), requires_grad=weight.requires_grad)
+            weight = nn.Parameter(weight_type(FP8_ALL_GATHER)(weight.data, p), requires_grad=weight.requires_grad)
         new.weight = weight
         new.bias = linear_.bias
         new.fsdp_fp8_all_gather = fsdp_fp8_all_gather
         new.fp8_weights = fp8_weights
-        if new.recipe.delayed is not None:
+        if p.delayed is not None:
             new._init_state(linear_.weight.device)
         return new
 
@@ -240,7 +318,7 @@ class Fp8Linear(nn.Linear):
             # model read them. FP8 weights give their master's values where MasterWeights keeps one.
             destination[key] = self._hp_weight()
         w = self.weight
-        if not keep_vars and self.recipe.delayed is not None and isinstance(w, DTensor) and w.is_meta:
+        if not keep_vars and self.plan.delayed is not None and isinstance(w, DTensor) and w.is_meta:
             # Sharded on the meta device (accelerate's cpu_ram_efficient_loading shards a meta model,
             # reads its state_dict for every tensor's mesh and placements, then loads rank 0's values
             # with load_state_dict(assign=True)): the state buffers, replicated on every rank, are
@@ -259,11 +337,11 @@ class Fp8Linear(nn.Linear):
                 and isinstance(value, torch.Tensor) and weight_kind(value) != kind):
             # load_state_dict(assign=True) (accelerate's FSDP2 loading does it) puts the checkpoint's
             # tensor in place of the weight: it takes this layer's weight type.
-            state_dict[key] = wrap_weight(value, kind, self.recipe)
-        for name in self._STATE_NAMES if self.recipe.delayed is not None else ():
+            state_dict[key] = wrap_weight(value, kind, self.plan)
+        for name in self._STATE_NAMES if self.plan.delayed is not None else ():
             # A replicated DTensor for a plain state buffer (the meta-sharded state_dict above, loaded
             # back): its values are the whole state.
-            held, given = self._buffers.get(name), state_dict.get(prefix + name)
+            held, given = getattr(self, name, None), state_dict.get(prefix + name)
             if isinstance(given, DTensor) and not isinstance(held, DTensor):
                 state_dict[prefix + name] = given.full_tensor()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -291,13 +369,18 @@ class Fp8Linear(nn.Linear):
         return state
 
     def __setstate__(self, state):
+        if "plan" not in state and "recipe" in state:  # pickled when the layer held its Recipe itself
+            state = {**state, "plan": plan(state["recipe"])}
+            del state["recipe"]
         super().__setstate__(state)
         self._pending, self._packed = None, None
         self.__dict__.setdefault("_in_apply", False)
+        if self.plan.delayed is not None:
+            self.__dict__.setdefault("_writes", StateWrites())
         kind, w = self._weight_kind(), self._parameters.get("weight")
         if kind is not None and isinstance(w, torch.Tensor) and weight_kind(w) != kind:
             # Pickled (torch.save of the model, copy by pickling) as its plain values: wrap them again.
-            self.weight = nn.Parameter(wrap_weight(w, kind, self.recipe), requires_grad=w.requires_grad)
+            self.weight = nn.Parameter(wrap_weight(w, kind, self.plan), requires_grad=w.requires_grad)
         # A copy's state buffers are new tensors, without the hook: hook them now, so that a copy's
         # first call may be a compiled one.
         self._hook_grad_output_state()
@@ -342,7 +425,7 @@ class Fp8Linear(nn.Linear):
                     "without fp8_weights for tensor parallel alone."
                 )
             # Outside FSDP2: the stored casts (staged values are quantized now, whole-tensor amax).
-            return fp8_linear(x, w, self.bias, self.recipe, w_casts=local.casts(), x_casts=self._x_casts(x, w))[0]
+            return fp8_linear(x, w, self.bias, self.plan, w_casts=local.casts(), x_casts=self._x_casts(x, w))[0]
         if w_casts is not None and "w" not in local.valid:
             raise RuntimeError(
                 "fp8func: this layer's forward ran while FSDP2 held only its backward (grad_input) "
@@ -351,8 +434,8 @@ class Fp8Linear(nn.Linear):
                 "reshard_after_forward=False) for checkpointed blocks, a tensorwise or blockwise "
                 "recipe, or convert(..., fsdp_fp8_all_gather=False)."
             )
-        if self.recipe.delayed is None:
-            return fp8_linear(x, w, self.bias, self.recipe, w_casts=w_casts, x_casts=self._x_casts(x, w))[0]
+        if self.plan.delayed is None:
+            return fp8_linear(x, w, self.bias, self.plan, w_casts=w_casts, x_casts=self._x_casts(x, w))[0]
         if not self._in_apply and not torch.compiler.is_compiling():
             if torch._C._functorch.peek_interpreter_stack() is not None:
                 raise RuntimeError(
@@ -368,7 +451,7 @@ class Fp8Linear(nn.Linear):
                 "cannot hook the new ones, so the next states would never be written. Call "
                 "fp8func.nn.hook_scaling_states(model) after parallelize_module and before the first compiled step.")
         # packed: the state passed on stays one tensor (a compiled forward's one output, not six views)
-        y, passed = fp8_linear(x, w, self.bias, self.recipe, state=self._state_input(), w_casts=w_casts,
+        y, passed = fp8_linear(x, w, self.bias, self.plan, state=self._state_input(), w_casts=w_casts,
                                amax_sharding=self.amax_sharding, packed=True)
         if torch.is_grad_enabled():
             self._pending = passed
@@ -381,68 +464,31 @@ class Fp8Linear(nn.Linear):
         # eager only (see SharedInputCasts); compiled code never reads the group, a per-layer object
         if casts_only(x) or torch.compiler.is_compiling() or self._input_casts is None:
             return None
-        return self._input_casts.get(x, self.recipe, w.requires_grad)
+        return self._input_casts.get(x, self.plan, w.requires_grad)
 
     def extra_repr(self) -> str:
         fp8_weights = ", fp8_weights=True" if self.fp8_weights else ""
-        return (f"{super().extra_repr()}, recipe={self.recipe.name}, "
+        return (f"{super().extra_repr()}, recipe={self.plan.name}, "
                 f"fsdp_fp8_all_gather={self.fsdp_fp8_all_gather}{fp8_weights}")
 
 
-def check_fp8_weights(recipe: Recipe, fsdp_fp8_all_gather: bool) -> None:
+def check_fp8_weights(recipe: Recipe | LinearPlan, fsdp_fp8_all_gather: bool) -> None:
     check_fp8_weights_recipe(recipe)
     if not fsdp_fp8_all_gather:
         raise ValueError("fp8func: fp8_weights=True keeps no high-precision weight to all-gather, so it implies "
                          "the fp8 all-gather; drop fsdp_fp8_all_gather=False (or set fp8_weights=False).")
 
 
-
 class _StateGradHook:
-    """Queues the layer's state write for the end of the backward (one callback per backward)."""
+    """Hands the layer to its ``StateWrites`` when its state gradient (the next state) is accumulated."""
 
     def __init__(self, layer: Fp8Linear):
         self._layer = weakref.ref(layer)
 
     def __call__(self, t: torch.Tensor) -> None:
         layer = self._layer()
-        if layer is None:
-            return
-        if not _TO_WRITE:
-            torch.autograd.Variable._execution_engine.queue_callback(_write_states)
-        _TO_WRITE.append(layer)
-
-
-# The layers whose next states the running backward produced; written by one callback at its end.
-_TO_WRITE: list[Fp8Linear] = []
-
-
-def _write_states() -> None:
-    """Writes each queued layer's state gradients (its next state) into its buffers, with one
-    multi-tensor copy for the whole model, and ends the layers' step (no state pending, the state
-    fresh again). At the end of the backward, every state gradient has been accumulated."""
-    targets, values = [], []
-    for layer in _TO_WRITE:
-        layer._pending = None
-        packed = layer._packed
-        if packed is not None:  # one leaf (a state not recorded comes back unchanged)
-            if packed.grad is not None:
-                targets.append(packed.detach())
-                values.append(packed.grad)
-                packed.grad = None
-            continue
-        state = layer.scaling_state()
-        for t in state.tensors():
-            if t.grad is None:  # a state the plan does not record (a dynamic weight)
-                continue
-            # A state is replicated: under TP the buffer or its gradient may be a replicated DTensor.
-            targets.append(t.to_local() if isinstance(t, DTensor) else t)
-            values.append(t.grad.full_tensor() if isinstance(t.grad, DTensor) else t.grad)
-            t.grad = None
-        refresh(state)
-    _TO_WRITE.clear()
-    if targets:
-        with torch.no_grad():
-            torch._foreach_copy_(targets, values)
+        if layer is not None:
+            layer._writes.add(layer)
 
 
 def hook_scaling_states(model: nn.Module) -> int:
@@ -458,7 +504,9 @@ def hook_scaling_states(model: nn.Module) -> int:
         >>> fp8func.nn.hook_scaling_states(model)
         >>> model.compile()
     """
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.recipe.delayed is not None]
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.plan.delayed is not None]
+    writes = StateWrites()  # one write of the next states for the whole model
     for m in layers:
+        m.write_states_with(writes)
         m._hook_grad_output_state()
     return len(layers)

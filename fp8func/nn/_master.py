@@ -129,7 +129,7 @@ class MasterWeights(nn.Module):
         fp8 weight gets the hook that moves its gradients there."""
         for module, attr, name in self._fp8:
             master = getattr(self, name)
-            module._master = weakref.ref(master)
+            module.attach_master(master)
             _hook(getattr(module, attr), master)
 
     def __setstate__(self, state):

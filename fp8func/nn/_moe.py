@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._grouped import align_groups, grouped_linear, grouped_mm
-from .._scaling import Recipe
+from .._scaling import Recipe, as_recipe
 
 __all__ = ["MoE", "Fp8MoE", "Fp8Experts", "Router", "route", "is_fused_experts"]
 
@@ -122,7 +122,7 @@ class Fp8MoE(MoE):
     def __init__(self, hidden: int, expert_dim: int, num_experts: int, top_k: int, *, device=None, dtype=None,
                  recipe: Recipe | str = "rowwise", fp8_dispatch: bool = True, align: int | None = None):
         super().__init__(hidden, expert_dim, num_experts, top_k, device=device, dtype=dtype)
-        self.recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
+        self.recipe = as_recipe(recipe, "Fp8MoE", example="rowwise")
         self.fp8_dispatch, self.align = fp8_dispatch, align
 
     @classmethod
@@ -179,6 +179,10 @@ class Fp8Experts(nn.Module):
     note = ""  # convert()'s note on this module
     conversion = None  # the Report of the convert() call that made it (report(model) reads it)
 
+    def record_conversion(self, note: str, conversion) -> None:
+        """``convert``'s note on this module and the ``Report`` of that call (``report`` reads them)."""
+        self.note, self.conversion = note, conversion
+
     def __init__(self, experts: nn.Module, recipe: Recipe | str = "rowwise", align: int | None = None):
         super().__init__()
         if not is_fused_experts(experts):
@@ -186,7 +190,7 @@ class Fp8Experts(nn.Module):
                             "[E, 2F, H] and down_proj [E, H, F], act_fn); use Fp8MoE for fp8func.nn.MoE.")
         self.gate_up_proj, self.down_proj, self.act_fn = experts.gate_up_proj, experts.down_proj, experts.act_fn
         self.num_experts = self.gate_up_proj.shape[0]
-        self.recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
+        self.recipe = as_recipe(recipe, "Fp8Experts", example="rowwise")
         self.align = align
         # The module it replaces, outside the module tree (its parameters are these): to_experts().
         object.__setattr__(self, "_replaced", experts)

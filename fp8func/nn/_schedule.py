@@ -63,7 +63,7 @@ class PrecisionSchedule:
                     f"PrecisionSchedule: {len(gathered)} layers all-gather their weights in FP8 under FSDP2, "
                     "so a bf16 phase has no bf16 weights to use; convert with fsdp_fp8_all_gather=False.")
             for m in layers:
-                m.fp8_enabled = precision == "fp8"
+                m.set_fp8_enabled(precision == "fp8")
             log.info("fp8func: step %d: %s for %d layers", step, precision, len(layers))
             self._current = precision
         return precision

@@ -23,6 +23,7 @@ from torch import nn
 from torch._C._functorch import is_batchedtensor
 
 from .._casts import activation_casts, input_casts
+from .._plan import LinearPlan
 from .._scaling import Recipe
 
 __all__ = ["SharedInputCasts", "share_input_casts", "shareable", "unshare_input_casts"]
@@ -43,7 +44,7 @@ class SharedInputCasts:
     def clear(self) -> None:
         self._x, self._version, self._key, self._casts = None, None, None, None
 
-    def get(self, x: torch.Tensor, recipe: Recipe, weight_requires_grad: bool) -> dict | None:
+    def get(self, x: torch.Tensor, recipe: Recipe | LinearPlan, weight_requires_grad: bool) -> dict | None:
         """The casts of ``x`` for ``recipe`` (made now unless this group made them already), or None
         where the layer casts by itself (see ``shareable``). Eager code only."""
         if not shareable(x):
@@ -94,9 +95,9 @@ def share_input_casts(model: nn.Module) -> None:
         by_input: dict = {}
         for m in parent.children():
             if isinstance(m, Fp8Linear):
-                m._input_casts = None
-                if m.recipe.delayed is None and activation_casts(m.recipe):
-                    by_input.setdefault((m.in_features, m.recipe), []).append(m)
+                m.use_input_casts(None)
+                if m.plan.delayed is None and activation_casts(m.plan):
+                    by_input.setdefault((m.in_features, m.plan), []).append(m)
         groups = [g for g in by_input.values() if len(g) > 1]
         if not groups:
             _unhook(parent)
@@ -110,14 +111,16 @@ def share_input_casts(model: nn.Module) -> None:
             parent.register_forward_hook(_clear)
         for g in groups:
             for m in g:
-                m._input_casts = getattr(parent, _ATTR)
+                m.use_input_casts(getattr(parent, _ATTR))
 
 
 def unshare_input_casts(model: nn.Module) -> None:
     """Undoes ``share_input_casts``: every layer casts its own input again."""
+    from ._linear import Fp8Linear
+
     for m in model.modules():
-        if getattr(m, "_input_casts", None) is not None:
-            m._input_casts = None
+        if isinstance(m, Fp8Linear) and m._input_casts is not None:
+            m.use_input_casts(None)
         _unhook(m)
 
 

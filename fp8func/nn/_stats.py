@@ -36,12 +36,12 @@ from .._formats import fp8_max
 from .._metrics import sqnr
 from .._ops import apply_scale, dequantize, quantize, quantize_with_scale, reciprocal
 from .._scaling import CastSpec, block_lengths
+from ._convert import canonical_fqn
 from ._linear import Fp8Linear
 
 __all__ = ["NumericsStats", "tensor_stats"]
 
 log = logging.getLogger("fp8func")
-_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -86,12 +86,6 @@ def tensor_stats(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = N
     }
 
 
-def _canonical(fqn: str) -> str:
-    for w in _WRAPPERS:
-        fqn = fqn.replace(w, "")
-    return fqn
-
-
 class NumericsStats:
     """Records FP8 numerics of every ``Fp8Linear`` of ``model`` every ``every`` steps.
 
@@ -117,7 +111,7 @@ class NumericsStats:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"NumericsStats(every={every!r}): expected an int >= 1 (record every that many steps), "
                              "e.g. every=50.")
-        layers = {_canonical(fqn): m for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)}
+        layers = {canonical_fqn(fqn): m for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)}
         if not layers:
             raise ValueError("NumericsStats: the model has no Fp8Linear layer to watch; call "
                              "fp8func.convert(model, recipe) first.")
@@ -158,9 +152,9 @@ class NumericsStats:
         return hook
 
     def _capture_forward(self, fqn: str, module: Fp8Linear, x: torch.Tensor) -> None:
-        r = module.recipe
-        delayed = r.delayed is not None  # the layer casts with its state scales (as before the forward)
-        item = (self._step, fqn, r, x.detach(), module.weight.detach(),
+        p = module.plan
+        delayed = p.delayed is not None  # the layer casts with its state scales (as before the forward)
+        item = (self._step, fqn, p, x.detach(), module.weight.detach(),
                 module.fp8_x_scale if delayed else None, module.fp8_w_scale if delayed else None)
         if torch.compiler.is_compiling():
             # Under dynamo: only stash the detached tensors (a list append is replayed after the
@@ -169,11 +163,11 @@ class NumericsStats:
         else:
             self._compute_forward(*item)
 
-    def _compute_forward(self, step, fqn, recipe, x, w, x_scale, w_scale) -> None:
+    def _compute_forward(self, step, fqn, p, x, w, x_scale, w_scale) -> None:
         with torch.no_grad():
             x2 = _plain(x).reshape(-1, x.shape[-1])
-            self._add(fqn, "x", tensor_stats(x2, recipe.input, x_scale), step)
-            self._add(fqn, "w", tensor_stats(w, recipe.weight, w_scale), step)
+            self._add(fqn, "x", tensor_stats(x2, p.output.a, x_scale), step)
+            self._add(fqn, "w", tensor_stats(w, p.output.b, w_scale), step)
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
@@ -186,10 +180,12 @@ class NumericsStats:
         step = self._step
 
         def on_grad(dy: torch.Tensor) -> None:  # returns None: the gradient passes unchanged
+            p = module.plan
+            if p.grad_input.hp:  # a plan that never casts dy as [M, N]
+                return
             with torch.no_grad():
-                r = module.recipe
-                scale = module.fp8_dy_scale if r.delayed is not None else None
-                self._add(fqn, "dy", tensor_stats(_plain(dy).reshape(-1, dy.shape[-1]), r.grad_output, scale), step)
+                scale = module.fp8_dy_scale if p.delayed is not None else None
+                self._add(fqn, "dy", tensor_stats(_plain(dy).reshape(-1, dy.shape[-1]), p.grad_input.a, scale), step)
 
         out.register_hook(on_grad)
 

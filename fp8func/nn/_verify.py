@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ._convert import hp_reason, planned
+from ._convert import canonical_fqn, hp_reason, planned
 from ._linear import Fp8Linear
 from ._weights import observe_all_gathers, weight_kind
 
@@ -50,7 +50,6 @@ _EVAL = "autograd::engine::evaluate_function: "
 _HP_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
 # libkineto's levels run VERBOSE=0 .. ERROR=4, USDT=5; a threshold above them all prints nothing.
 _KINETO_SILENT = "6"
-_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,7 @@ def verify(model: nn.Module, step_fn: Callable[[], Any], *, strict: bool = False
     """
     if not callable(step_fn):
         raise TypeError(f"verify: step_fn={step_fn!r}; expected a callable that runs forward + backward of the model.")
-    linears = {_canonical(fqn): m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears = {canonical_fqn(fqn): m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     tallies = {fqn: _Tally() for fqn in linears}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with contextlib.ExitStack() as stack:
@@ -175,12 +174,6 @@ def _kineto_quiet_at_start():
         os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
-def _canonical(fqn: str) -> str:
-    for w in _WRAPPERS:
-        fqn = fqn.replace(w, "")
-    return fqn
-
-
 def _install_ranges(stack: contextlib.ExitStack, linears: dict[str, nn.Module]) -> None:
     """Forward hooks that bracket each linear layer's forward in a named profiler range."""
     open_ranges: list[record_function] = []
@@ -199,7 +192,7 @@ def _install_ranges(stack: contextlib.ExitStack, linears: dict[str, nn.Module]) 
 
 def _all_gather_counter(model: nn.Module, tallies: dict[str, _Tally]):
     """An ``observe_all_gathers`` observer that counts each layer's fp8 all-gathers and their bytes."""
-    names = {id(m): _canonical(fqn) for fqn, m in model.named_modules()}
+    names = {id(m): canonical_fqn(fqn) for fqn, m in model.named_modules()}
 
     def counted(weight, module, inputs, mp_policy):
         tally = tallies.get(names.get(id(module), ""))
@@ -313,8 +306,8 @@ def _attribute(events, tallies: dict[str, _Tally]) -> None:
 def _converted_fqns(model: nn.Module) -> set[str]:
     """Layers ``convert`` put in FP8, from the plans the model's FP8 layers carry, and every
     ``Fp8Linear`` of the model."""
-    fqns = {_canonical(fqn) for fqn, row in planned(model).items() if row.converted}
-    return fqns | {_canonical(fqn) for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    fqns = {canonical_fqn(fqn) for fqn, row in planned(model).items() if row.converted}
+    return fqns | {canonical_fqn(fqn) for fqn, m in model.named_modules() if isinstance(m, Fp8Linear)}
 
 
 def _sharded_by_fsdp(model: nn.Module, fqn: str) -> bool:
@@ -364,7 +357,7 @@ def _check_fp8(model, fqn: str, m: nn.Module, t: _Tally, any_backward: bool) -> 
         return row(ok=False, note="its forward ran without an FP8 GEMM (forward replaced or patched?)")
     if device.type != "cpu" and emulated:
         return row(ok=False, note=f"{emulated} GEMM(s) emulated on {device.type} (gemm_path -> 'emulated', recipe "
-                                  f"{m.recipe.name!r} path={m.recipe.path!r}): no FP8 kernel ran. Use path='auto' "
+                                  f"{m.plan.name!r} path={m.plan.output.path!r}): no FP8 kernel ran. Use path='auto' "
                                   "and a recipe with a hardware kernel on this GPU (see the fp8func log)")
     if any_backward and t.backward == 0 and m.weight.requires_grad:
         return row(ok=False, note="no backward ran for it in this step, though other layers had one")
@@ -376,7 +369,7 @@ def _check_fp8(model, fqn: str, m: nn.Module, t: _Tally, any_backward: bool) -> 
 
 def _judge(model, linears, tallies, output) -> Verification:
     converted = _converted_fqns(model)
-    decided = {_canonical(fqn): row for fqn, row in planned(model).items()}
+    decided = {canonical_fqn(fqn): row for fqn, row in planned(model).items()}
     any_backward = any(t.backward for t in tallies.values())
     rows = []
     for fqn in sorted(set(linears) | converted, key=_order(linears)):
