@@ -144,7 +144,7 @@ def test_delayed_plans_keep_one_tensorwise_cast_per_tensor(gemms):
 
 
 def test_plan_of_anything_else_names_what_it_takes():
-    with pytest.raises(TypeError, match=r"recipe=3: expected a Recipe, a LinearPlan or a recipe name such as "
+    with pytest.raises(TypeError, match=r"recipe=3; expected a Recipe, a LinearPlan or a recipe name such as "
                                         r"'tensorwise'"):
         f8.plan(3)
     with pytest.raises(ValueError, match=r"Recipe.from_name\('rowise'\): unknown recipe \(did you mean 'rowwise'\?\)"):
