@@ -191,8 +191,7 @@ def step_profile(prof, steps: int) -> dict:
 
     from ._model import kernel_class
 
-    classes: dict[str, tuple[float, float]] = {}
-    kernels: dict[tuple[str, str], list[float]] = {}
+    kernels: dict[tuple[str, str], list[float]] = {}  # (class, kernel name) -> [ms, calls] per step
     symm = 0
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
@@ -201,13 +200,14 @@ def step_profile(prof, steps: int) -> dict:
         name = e.name.lower()
         kind = next((f"NCCL {k}" for k in NCCL_KINDS if "nccl" in name and k in name.replace("_", "")), None)
         kind = kind or ("NCCL other" if "nccl" in name else kernel_class(e.name))
-        ms, calls = classes.get(kind, (0.0, 0.0))
-        classes[kind] = (ms + e.device_time / 1e3 / steps, calls + 1 / steps)
         k = kernels.setdefault((kind, e.name[:160]), [0.0, 0.0])
         k[0] += e.device_time / 1e3 / steps
         k[1] += 1 / steps
+    classes: dict[str, tuple[float, float]] = {}
     top = {}  # the largest kernels of each class, to check what a class holds
     for (kind, name), (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+        total_ms, total_calls = classes.get(kind, (0.0, 0.0))
+        classes[kind] = (total_ms + ms, total_calls + calls)
         if len(top.setdefault(kind, [])) < 6:
             top[kind].append((name, round(ms, 2), calls))
     host = [(e.key, round(e.self_cpu_time_total / 1e3 / steps, 2), e.count / steps)
