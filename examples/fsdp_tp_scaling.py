@@ -22,6 +22,10 @@ activation checkpointing (``--ac``), then ``torch.compile`` (``--compile``), the
   bitwise equal (the "on == off" column); ``...-stock`` (and ``fp8func-tensorwise-stock-off``): the stock TP
   styles (the sequence gathers in bf16, the layer casting the gathered input), not in the
   default set;
+* ``fp8func-tensorwise-local`` (and ``-local-off``, not in the default set): the fp8func styles with
+  TP-local scaling (``local_scales=True``, docs/tp.md): each rank scales what it holds of a
+  TP-sharded activation or gradient, so the layers run no amax all-reduce over tp (the weights'
+  scales are FSDP2's, precomputed after the optimizer step);
 * ``fp8func-delayed`` (and ``-off``): delayed scaling of inputs and grad_outputs with the weight
   cast dynamically (``DelayedScaling(weight=False)``, so FSDP2 gathers it in FP8), the states
   shared over dp (``share_scaling_state``), the stock TP styles (the FP8 sequence gathers cast
@@ -113,6 +117,8 @@ CONFIGS = {
     "torchao-rowwise": ("torchao", "rowwise", False),  # torchao's FSDP2 float8 all-gather is tensorwise only
     "fp8func-tensorwise": ("fp8func", "tensorwise", True),
     "fp8func-tensorwise-off": ("fp8func", "tensorwise", False),
+    "fp8func-tensorwise-local": ("fp8func", "tensorwise", True),
+    "fp8func-tensorwise-local-off": ("fp8func", "tensorwise", False),
     "fp8func-rowwise": ("fp8func", "rowwise", True),
     "fp8func-rowwise-off": ("fp8func", "rowwise", False),
     "fp8func-delayed": ("fp8func", "delayed-dynamic-weight", True),
@@ -121,7 +127,8 @@ CONFIGS = {
     "fp8func-tensorwise-stock-off": ("fp8func", "tensorwise", False),
     "fp8func-rowwise-stock": ("fp8func", "rowwise", True),
 }
-DEFAULT_CONFIGS = [n for n in CONFIGS if "delayed" not in n and "stock" not in n]
+DEFAULT_CONFIGS = [n for n in CONFIGS
+                   if "delayed" not in n and "stock" not in n and n != "fp8func-tensorwise-local-off"]
 AC_MODES = ("none", "full", "selective")
 AC_DESCRIPTION = {"none": "none", "full": "full (checkpoint_wrapper, the whole layer recomputed)",
                   "selective": "selective, op-level (matmul, attention and reduce-scatter / all-reduce outputs "
@@ -330,7 +337,7 @@ def convert(model, name: str, fp8_lm_head: bool = False) -> tuple[dict, dict]:
         r = fp8func_recipe(recipe)
         f8.convert(model, r, fsdp_fp8_all_gather=fp8_gather, filter=keep)
         # delayed casts its input itself, and "-stock" asks for them: the stock styles (bf16 sequence gathers)
-        plans = sp_plans(fp8_styles=r.delayed is None and "-stock" not in name)
+        plans = sp_plans(fp8_styles=r.delayed is None and "-stock" not in name, local_scales="-local" in name)
     elif lib == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

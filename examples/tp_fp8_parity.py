@@ -19,6 +19,7 @@ every loss was finite, and the median step time as tokens/s of one model replica
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -47,10 +48,15 @@ STOCK = {
 }
 
 
-def sp_plans(fp8_styles: bool) -> tuple[dict, dict]:
-    """(model plan, decoder-layer plan) for sequence parallel."""
+def sp_plans(fp8_styles: bool, local_scales: bool = False) -> tuple[dict, dict]:
+    """(model plan, decoder-layer plan) for sequence parallel. ``local_scales``: the fp8func styles
+    with TP-local scaling (no amax all-reduce over TP; docs/tp.md)."""
     prep, col, row = ((PrepareFp8ModuleInput, Fp8ColwiseParallel, Fp8RowwiseParallel) if fp8_styles
                       else (PrepareModuleInput, ColwiseParallel, RowwiseParallel))
+    if local_scales:
+        if not fp8_styles:
+            raise ValueError("sp_plans: local_scales=True is an option of the fp8func styles; pass fp8_styles=True.")
+        prep, col, row = (functools.partial(style, local_scales=True) for style in (prep, col, row))
     model_plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
                   "model.norm": SequenceParallel(),
                   "lm_head": col(input_layouts=Shard(1), output_layouts=Replicate())}

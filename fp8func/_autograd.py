@@ -42,7 +42,7 @@ from ._gemm import gemm
 from ._hooks import full_tensor, read_given
 from ._plan import LinearPlan, operand, plan, transposed, untileable
 from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import Recipe
+from ._scaling import CastSpec, Recipe
 from ._sharding import Sharding
 
 __all__ = ["linear", "linear_delayed", "fp8_linear"]
@@ -81,6 +81,7 @@ class _Inputs(NamedTuple):
     x_given: dict[str, tuple]  # the input's
     states: LinearScalingState | None  # delayed: the states of x, w and dy
     state_inputs: tuple  # delayed: the state's tensor inputs (six, or one packed)
+    x_spec: CastSpec | None = None  # the spec of the "x" cast read from x itself (x_inside), else None
 
 
 class _Outputs(NamedTuple):
@@ -135,16 +136,19 @@ class _Saved(NamedTuple):
 def _read_inputs(layout: _Layout, x, leaves) -> _Inputs:
     it = iter(leaves)
     w = {name: (next(it), next(it)) for name in layout.w_given}
+    x_spec = None
     if layout.x_inside:
         # A casts-only input made inside a compiled region (a sequence gather): dynamo cannot read
-        # its casts, AOTAutograd, tracing this op, can.
+        # its casts, AOTAutograd, tracing this op, can. They carry their spec: a gather with one
+        # scale per rank's chunk of tokens groups the rows by chunk, not as the plan's cast does.
         casts = gathered_casts(x)
         x = {name: (casts[name].data, casts[name].scale) for name in layout.x_given}
+        x_spec = casts["x"].spec if "x" in casts else None
     else:
         x = {name: (next(it), next(it)) for name in layout.x_given}
     state_inputs = tuple(it)
     states = linear_states(state_inputs, layout.packed_state) if layout.delayed else None
-    return _Inputs(w, x, states, state_inputs)
+    return _Inputs(w, x, states, state_inputs, x_spec)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -153,13 +157,13 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, p: LinearPlan, layout: _Layout, *leaves):
-        gw, gx, states, _ = _read_inputs(layout, x, leaves)
+        gw, gx, states, _, x_spec = _read_inputs(layout, x, leaves)
         xs, ws = operand(p, "x"), operand(p, "w")
         tx, tw = layout.transposes
         x2 = x if gx else x.reshape(-1, x.shape[-1])  # given casts: x only routes the gradient
         x_scale = None if states is None else states.input.scale
         w_scale = states.weight.scale if states is not None and p.delayed.weight else None
-        qx, qx_t, x_amax = cast_operand(x2, xs.first, gx.get("x"), x_scale, tx, p, fuse_amax=True)
+        qx, qx_t, x_amax = cast_operand(x2, x_spec or xs.first, gx.get("x"), x_scale, tx, p, fuse_amax=True)
         qw, qw_t, w_amax = cast_operand(weight, ws.first, gw.get("w"), w_scale, tw, p)
         y = gemm(qx, qw.t(), out_dtype=x.dtype, bias=bias, path=p.output.path, fast_accum=p.output.fast_accum)
         qx = qx if qx_t is None else qx_t  # what the backward reads
@@ -191,7 +195,7 @@ class _LinearFn(torch.autograd.Function):
                                 (out.w_data, out.w_scale), weight)
         if x_kind is _Kept.MISSING:
             raise ValueError(f"linear: plan {p.name!r} needs the input itself or its 'x_t' cast in the backward.")
-        ctx.x_kind, ctx.w_kind = x_kind, w_kind
+        ctx.x_kind, ctx.w_kind, ctx.x_spec = x_kind, w_kind, given.x_spec
         ctx.save_for_backward(*_Saved(x_kept, w_kept, out.x_amax, out.w_amax, given.state_inputs).flat())
 
     @staticmethod
@@ -218,7 +222,8 @@ class _LinearFn(torch.autograd.Function):
                 x2 = saved.x[0].reshape(-1, saved.x[0].shape[-1])
                 dw = dy2.t().to(x2.dtype) @ x2
             else:
-                b = _operand_for_backward(ctx.x_kind, saved.x, operand(p, "x"), ctx.x_dtype, None)  # [M, K] along M
+                b = _operand_for_backward(ctx.x_kind, saved.x, operand(p, "x"), ctx.x_dtype, None,
+                                          ctx.x_spec)  # [M, K] along M
                 dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=p.grad_weight.path, fast_accum=p.grad_weight.fast_accum)
             dw = dw.to(ctx.w_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
@@ -268,12 +273,14 @@ def _saved(casts, hp: bool, given: dict, name: str, wrote_t: bool, payload: tupl
     return _Kept.HP, (hp_tensor, hp_tensor)
 
 
-def _operand_for_backward(kind: _Kept, saved: tuple, casts, dtype, qdy) -> Fp8Tensor:
+def _operand_for_backward(kind: _Kept, saved: tuple, casts, dtype, qdy, given_spec: CastSpec | None = None
+                          ) -> Fp8Tensor:
     """The backward GEMM's ``b`` from what the forward kept: ``[N, K]`` along N for w (grad_input),
-    ``[M, K]`` along M for x (grad_weight)."""
+    ``[M, K]`` along M for x (grad_weight). ``given_spec``: the spec of the forward's cast where
+    the operand came with its own (read from the input itself)."""
     a, b = saved
     if kind is _Kept.CAST:
-        return Fp8Tensor(a, b, Fp8Meta(casts.first, dtype, None))
+        return Fp8Tensor(a, b, Fp8Meta(given_spec or casts.first, dtype, None))
     if kind is _Kept.CAST_T:  # a row-major [K, *] copy: its transpose is column-major, as scaled_mm's b
         return Fp8Tensor(a, b, Fp8Meta(casts.first, dtype, None)).t()
     spec = transposed(casts.second)  # the second cast, written on the operand's own layout

@@ -29,18 +29,24 @@ def gathered_casts(t) -> dict[str, Fp8Tensor] | None:
 
     For a DTensor whose local tensor is such a tensor, the casts come back as DTensors on its
     mesh: data placed like it, each scale sharded where it has one entry per row/block and
-    replicated where it spans the dim.
+    replicated where it spans the dim. A 2-D cast of an ``[..., F]`` holder sharded along its last
+    dim (a TP-local cast of a ``Shard(-1)`` activation) is sharded along its last dim; its scale,
+    each rank's own, is placed as replicated: every rank's GEMM reads the scale it holds.
     """
     local = t._local_tensor if isinstance(t, DTensor) else t
     if not isinstance(local, Fp8GatheredWeight):
         return None
     if local is t:
         return local.casts
-    mesh, placements = t.device_mesh, tuple(t.placements)
+    mesh = t.device_mesh
     out = {}
     for name, q in local.casts.items():
-        if q.ndim != t.ndim and any(isinstance(p, Shard) for p in placements):
-            raise ValueError(f"fp8func: the {name!r} cast has rank {q.ndim}, its sharded holder rank {t.ndim}.")
+        placements = tuple(t.placements)
+        if q.ndim != t.ndim:
+            if any(isinstance(p, Shard) and p.dim % t.ndim != t.ndim - 1 for p in placements):
+                raise ValueError(f"fp8func: the {name!r} cast has rank {q.ndim}, its holder rank {t.ndim}, "
+                                 f"sharded {placements}: only a holder sharded along its last dim maps onto it.")
+            placements = tuple(Shard(q.ndim - 1) if isinstance(p, Shard) else p for p in placements)
         scale_placements = tuple(
             Replicate() if isinstance(p, Shard) and q.scale.shape[p.dim] == 1 else p for p in placements
         )

@@ -4,9 +4,15 @@ Hardware paths (``torch._scaled_mm`` / ``torch.nn.functional.scaled_mm``):
 
 * ``tensorwise``  a, b TensorWise (CUDA sm89+, and the CPU build)
 * ``rowwise``     a one scale per row, b one per column, both reduced along K; a TensorWise
-                  operand is broadcast to that form (CUDA sm89+, and the CPU build)
+                  operand, or one whose scale groups span K in blocks of rows (columns), is
+                  broadcast to that form (CUDA sm89+, and the CPU build)
 * ``blockwise``   a BlockWise((1, 128)), b BlockWise((128, 128)) or BlockWise((128, 1))
                   (CUDA sm90, torch with F.scaled_mm)
+
+Operands whose scales are constant over chunks of the contraction (each chunk spanning the other
+dim whole, as in the grad_weight GEMM of an operand gathered with one scale per rank's chunk of
+tokens) run one GEMM per chunk, in fp32, summed in chunk order and rounded to ``out_dtype`` once
+(``contraction_chunk``); each chunk's GEMM takes the path a tensorwise pair takes.
 
 Everything else (MX on Hopper, odd shapes, e5m2 x e5m2, CPU by default) runs the emulated
 path: dequantize to fp32 and matmul. Same answer up to accumulation order. ``gemm_path`` tells
@@ -15,6 +21,8 @@ which path a call takes; a fallback to emulation on a GPU is logged once per rea
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -22,10 +30,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ._formats import E4M3, E5M2, tracing
 from ._log import warn_once
 from ._ops import dequantize
-from ._qtensor import Fp8Tensor
-from ._scaling import MX, AxisWise, BlockWise, TensorWise, canonical_granularity
+from ._qtensor import Fp8Meta, Fp8Tensor
+from ._scaling import MX, AxisWise, BlockWise, TensorWise, canonical_granularity, raw_block_lengths
 
-__all__ = ["gemm", "gemm_path", "hardware_kind"]
+__all__ = ["contraction_chunk", "gemm", "gemm_path", "hardware_kind"]
 
 
 def hardware_kind(a: Fp8Tensor, b: Fp8Tensor) -> tuple[str | None, str]:
@@ -36,16 +44,58 @@ def hardware_kind(a: Fp8Tensor, b: Fp8Tensor) -> tuple[str | None, str]:
     k, n = a.shape[1], b.shape[1]
     if k % 16 or n % 16:
         return None, f"scaled_mm needs K and N divisible by 16, got K={k}, N={n}"
-    tw, row_a, col_b = TensorWise(), AxisWise(1), AxisWise(0)
+    tw = TensorWise()
     if ga == tw and gb == tw:
         return "tensorwise", ""
-    if ga in (tw, row_a) and gb in (tw, col_b):
-        return "rowwise", ""
     if ga == BlockWise((1, 128)) and gb in (BlockWise((128, 128)), BlockWise((128, 1))):
         if a.dtype != E4M3 or b.dtype != E4M3:
             return None, "block-wise scaled_mm takes e4m3 operands only"
         return "blockwise", ""
+    if _spans(a, 1) and _spans(b, 0):  # a scale per row of a and per column of b, broadcast
+        return "rowwise", ""
     return None, f"no scaled_mm kernel for a={_describe(a.granularity)} x b={_describe(b.granularity)}"
+
+
+def _spans(q: Fp8Tensor, dim: int) -> bool:
+    """Whether every scale group of 2-D ``q`` spans dim ``dim`` whole (MX scales never do: they
+    are e8m0 per block, for the MX kernels)."""
+    if isinstance(q.granularity, MX):
+        return False
+    block = raw_block_lengths(q.granularity, tuple(q.shape))[dim]
+    return block is None or block == q.shape[dim]
+
+
+def contraction_chunk(a: Fp8Tensor, b: Fp8Tensor) -> int | None:
+    """The chunk length ``c`` when ``a [M, K]`` and ``b [K, N]`` have one scale per chunk of ``c``
+    along K (each scale spanning M, resp. N, whole) and some scale splits K: ``gemm`` then runs one
+    tensorwise GEMM per chunk. None otherwise, and for chunks no FP8 GEMM takes (c % 16)."""
+    if not (_spans(a, 0) and _spans(b, 1)) or _spans(a, 1) and _spans(b, 0):
+        return None
+    k = a.shape[1]
+    ca = raw_block_lengths(a.granularity, tuple(a.shape))[1]
+    cb = raw_block_lengths(b.granularity, tuple(b.shape))[0]
+    chunk = math.gcd(ca or k, cb or k)
+    return chunk if chunk % 16 == 0 and k % chunk == 0 else None
+
+
+def _chunk(q: Fp8Tensor, dim: int, i: int, chunk: int) -> Fp8Tensor:
+    """Chunk ``i`` (``chunk`` long along ``dim``) of ``q``: a view with its one scale, tensorwise."""
+    block = raw_block_lengths(q.granularity, tuple(q.shape))[dim]
+    group = 0 if block is None or block == q.shape[dim] else i * chunk // block
+    meta = Fp8Meta(q.spec.with_granularity(TensorWise()), q.meta.orig_dtype, None)
+    return Fp8Tensor(q.data.narrow(dim, i * chunk, chunk), q.scale.narrow(dim, group, 1), meta)
+
+
+def _gemm_chunks(a: Fp8Tensor, b: Fp8Tensor, chunk: int, out_dtype: torch.dtype, path: str,
+                 fast_accum: bool) -> torch.Tensor:
+    """``a @ b`` as the sum, in fp32 and in chunk order, of one GEMM per chunk of the contraction
+    (fp32 out), rounded to ``out_dtype`` once. A scale that changes along K cannot be applied by
+    a row-wise kernel, which scales the accumulated sum; per chunk it is a tensorwise GEMM."""
+    total = None
+    for i in range(a.shape[1] // chunk):
+        y = gemm(_chunk(a, 1, i, chunk), _chunk(b, 0, i, chunk), torch.float32, path=path, fast_accum=fast_accum)
+        total = y if total is None else total + y
+    return total.to(out_dtype)
 
 
 def _describe(g) -> str:
@@ -88,9 +138,13 @@ def log_fallback(reason: str) -> bool:
 def gemm_path(a: Fp8Tensor, b: Fp8Tensor, path: str = "auto") -> str:
     """Which path ``gemm(a, b, path=path)`` runs: ``"scaled_mm_<kind>"`` or ``"emulated"``.
 
-    Raises when ``path="hardware"`` and no hardware kernel applies, saying why.
+    Raises when ``path="hardware"`` and no hardware kernel applies, saying why. Operands scaled
+    per chunk of the contraction run one GEMM per chunk: the path of the first chunk's.
     """
     _check_operands(a, b)
+    chunk = contraction_chunk(a, b)
+    if chunk is not None:
+        return gemm_path(_chunk(a, 1, 0, chunk), _chunk(b, 0, 0, chunk), path)
     if path == "emulated":
         return "emulated"
     kind, why = hardware_kind(a, b)
@@ -149,10 +203,15 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rowwise_scales(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row of ``a`` ``[M, 1]`` and per column of ``b`` ``[1, N]``: a scale that
+    spans all rows (columns) broadcast, one per block of rows (columns) repeated over its block."""
     m, n = a.shape[0], b.shape[1]
-    sa = a.scale.expand(m, 1).contiguous()
-    sb = b.scale.expand(1, n).contiguous()
-    return sa, sb
+    sa, sb = a.scale, b.scale
+    if sa.shape[0] not in (1, m):
+        sa = sa.repeat_interleave(m // sa.shape[0], dim=0)
+    if sb.shape[1] not in (1, n):
+        sb = sb.repeat_interleave(n // sb.shape[1], dim=1)
+    return sa.expand(m, 1).contiguous(), sb.expand(1, n).contiguous()
 
 
 def _rowwise_out_dtype_ok(device: torch.device, out_dtype: torch.dtype) -> bool:
@@ -255,6 +314,11 @@ def gemm(
     """
     if isinstance(a.data, DTensor) or isinstance(b.data, DTensor):
         y = _gemm_sharded(a, b, out_dtype, path, fast_accum)
+        return y if bias is None else y + bias.to(out_dtype)
+    _check_operands(a, b)
+    chunk = contraction_chunk(a, b)
+    if chunk is not None:
+        y = _gemm_chunks(a, b, chunk, out_dtype, path, fast_accum)
         return y if bias is None else y + bias.to(out_dtype)
     chosen = gemm_path(a, b, path)
     if chosen == "emulated":

@@ -20,7 +20,7 @@ from .examples import load_example
 
 ROOT = pathlib.Path(__file__).parents[1]
 CONFIGS = ["bf16", "fp8func-tensorwise", "fp8func-tensorwise-off", "fp8func-rowwise", "fp8func-rowwise-off",
-           "fp8func-delayed", "fp8func-delayed-off"]
+           "fp8func-delayed", "fp8func-delayed-off", "fp8func-tensorwise-local", "fp8func-tensorwise-local-off"]
 STEPS = 3
 ARGV = ["--device", "cpu", "--tp", "2", "--hidden", "128", "--intermediate", "256", "--layers", "2", "--heads", "4",
         "--kv-heads", "4", "--vocab", "256", "--seq", "128", "--batch", "2", "--steps", str(STEPS), "--warmup", "1",
@@ -51,7 +51,7 @@ def test_fsdp_tp_scaling_script_on_cpu(tmp_path):
         assert "error" not in r, (name, r.get("error"))
         assert r["finite"] and len(r["losses"]) == STEPS, (name, r["losses"])
         assert r["tokens_per_s"] > 0 and r["gather_bytes_dp"] > 0 and r["gather_bytes_tp"] > 0, r
-    for recipe in ("tensorwise", "rowwise", "delayed"):
+    for recipe in ("tensorwise", "rowwise", "delayed", "tensorwise-local"):
         on, off = rows[f"fp8func-{recipe}"], rows[f"fp8func-{recipe}-off"]
         # docs/fsdp.md's contract under 2-D: the fp8 all-gather changes no loss, bitwise.
         assert on["on_equals_off"] is True and off["on_equals_off"] is True, (on["losses"], off["losses"])
@@ -70,10 +70,21 @@ def test_fsdp_tp_scaling_script_on_cpu(tmp_path):
     # fp8 weights' row scales travel in the same all-gather as their payloads).
     for name in CONFIGS:
         assert rows[name]["gather_bytes_dp"] == rows[name]["fsdp_gather_bytes_counted"], rows[name]
+    # Amax all-reduces over tp per step and rank, beyond bf16's: the precomputed weight scales' one;
+    # global tensorwise scales add 11 per layer (the 4 sequence gathers and o_proj's and down's
+    # inputs, forward; the 5 column-parallel grad_outputs, backward), TP-local scales none.
+    bf16_reduces = rows["bf16"]["collective_calls"]["tp all_reduce"]
+    tp_reduces = {name: rows[name]["collective_calls"]["tp all_reduce"] - bf16_reduces
+                  for name in ("fp8func-tensorwise", "fp8func-tensorwise-local")}
+    assert tp_reduces == {"fp8func-tensorwise": 1 + 2 * 11, "fp8func-tensorwise-local": 1}, tp_reduces
+    # TP-local scales move the same bytes over tp, and a 4-byte scale per rank's chunk of each
+    # sequence: 2 layers x 4 sequence gathers x batch 2
+    local, glob = rows["fp8func-tensorwise-local"], rows["fp8func-tensorwise"]
+    assert local["gather_bytes_tp"] - glob["gather_bytes_tp"] == 2 * 4 * 2 * 4, (local, glob)
 
 
 COMPILED = ["bf16", "fp8func-tensorwise-stock", "fp8func-tensorwise-stock-off", "fp8func-rowwise-stock",
-            "fp8func-delayed", "fp8func-tensorwise", "fp8func-rowwise"]
+            "fp8func-delayed", "fp8func-tensorwise", "fp8func-rowwise", "fp8func-tensorwise-local"]
 COMPILED_ARGV = [*ARGV[:ARGV.index("--steps")], "--steps", "2", "--warmup", "1", "--bytes-steps", "1", "--compile"]
 
 
@@ -133,6 +144,11 @@ def test_compiled_layers_graph_breaks_and_collectives(tmp_path):
     assert bf16["gather_bytes_tp"] - sp["gather_bytes_tp"] == saved, (sp["gather_bytes_tp"], bf16["gather_bytes_tp"])
     # Row-wise sends two casts (x along K, per-token scales; x along M, for grad_weight): bf16's bytes.
     assert rows["fp8func-rowwise"]["gather_bytes_tp"] >= bf16["gather_bytes_tp"]
+    # TP-local scales, compiled: no amax all-reduce over tp inside the layers; the one left is the
+    # weights' scales, precomputed after the optimizer step (and its one over dp).
+    assert extra("fp8func-tensorwise", "tp all_reduce") == 2 * 11 + 1
+    assert extra("fp8func-tensorwise-local", "tp all_reduce") == 1
+    assert extra("fp8func-tensorwise-local", "dp all_reduce") == 1
 
 
 @pytest.mark.slow

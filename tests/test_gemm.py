@@ -230,3 +230,38 @@ def test_mx_on_hopper_falls_back_loudly(caplog):
         assert f8.gemm_path(a, b) == "emulated"
         f8.gemm(a, b)
     assert sum("emulated FP8 GEMM on a GPU" in r.getMessage() for r in caplog.records) == 1
+
+
+def _chunk_scaled(chunks: list, granularity) -> f8.Fp8Tensor:
+    """Casts of consecutive row chunks side by side, one scale per chunk (``BlockWise((rows, K))``)
+    or that scale on every row of its chunk (``AxisWise(-1)``)."""
+    data = torch.cat([q.data.view(torch.uint8) for q in chunks]).view(chunks[0].dtype)
+    scale = torch.cat([q.scale for q in chunks])
+    if isinstance(granularity, f8.AxisWise):
+        scale = scale.repeat_interleave(chunks[0].shape[0], dim=0)
+    meta = f8.Fp8Meta(chunks[0].spec.with_granularity(granularity), torch.float32, None)
+    return f8.Fp8Tensor(data, scale, meta)
+
+
+@pytest.mark.parametrize("path", ["emulated", "hardware"])
+def test_gemm_of_operands_scaled_per_chunk_of_rows(path):
+    """Scales constant over chunks of 32 rows (a sequence gathered with one scale per rank's
+    chunk): as the rows of a GEMM, the row-wise kernel, bitwise per-row scales; along the
+    contraction, one tensorwise GEMM per chunk, summed in fp32 in chunk order, rounded once."""
+    g = torch.Generator().manual_seed(0)
+    chunks = [f8.quantize(torch.randn(32, 64, generator=g) * 10.0 ** i, f8.CastSpec()) for i in range(3)]
+    blocks = _chunk_scaled(chunks, f8.BlockWise((32, 64)))
+    rows = _chunk_scaled(chunks, f8.AxisWise(-1))
+    w = f8.quantize(torch.randn(48, 64, generator=g), f8.CastSpec())
+    assert _gemm.hardware_kind(blocks, w.t()) == ("rowwise", "")
+    assert torch.equal(f8.gemm(blocks, w.t(), torch.float32, path=path), f8.gemm(rows, w.t(), torch.float32, path=path))
+    dy = f8.quantize(torch.randn(96, 48, generator=g), f8.CastSpec(f8.E5M2))
+    assert _gemm.contraction_chunk(dy.t(), blocks) == 32
+    assert f8.gemm_path(dy.t(), blocks, path) == ("emulated" if path == "emulated" else "scaled_mm_tensorwise")
+    total = 0
+    for c, q in enumerate(chunks):
+        dy_c = f8.Fp8Tensor(dy.data[32 * c:32 * (c + 1)], dy.scale, dy.meta)
+        total = total + f8.gemm(dy_c.t(), q, torch.float32, path=path)
+    assert torch.equal(f8.gemm(dy.t(), blocks, torch.bfloat16, path=path), total.to(torch.bfloat16))
+    exact = dy.data.float().t() @ f8.dequantize(rows, torch.float32) * dy.scale
+    assert f8.sqnr(exact, f8.gemm(dy.t(), blocks, torch.float32, path=path)) > 60

@@ -304,9 +304,9 @@ def _sp_mlp(rank, world_size, recipe, fp8_styles, compiled=False, local_output=T
     gathers = []
     orig = tp_mod._gather_casts
 
-    def counting(x_local, mesh, specs):
+    def counting(x_local, mesh, specs, *args):
         gathers.append([name for name, _ in specs])
-        return orig(x_local, mesh, specs)
+        return orig(x_local, mesh, specs, *args)
 
     tp_mod._gather_casts = counting
     import fp8func._collectives as coll
