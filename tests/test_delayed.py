@@ -291,6 +291,99 @@ def test_fp8_linear_applies_the_state_and_keeps_it_from_the_optimizer():
     assert torch.equal(fresh[2].fp8_dy_scale, layer.fp8_dy_scale)
 
 
+_DYNAMIC_WEIGHT = f8.Recipe.from_name("delayed", delayed=f8.DelayedScaling(4, weight=False))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", _DYNAMIC_WEIGHT], ids=["delayed", "dynamic-weight"])
+def test_a_delayed_fp8_linear_stack_trains_bitwise_as_the_functional_op(recipe):
+    """Three delayed ``Fp8Linear`` layers trained five steps with SGD: every loss, weight and state
+    is bitwise what ``linear_delayed`` gives with the states threaded by hand, each step's next
+    state the gradient of its state."""
+    torch.manual_seed(0)
+    sizes = [(64, 128), (128, 96), (96, 32)]
+    model = f8.convert(nn.Sequential(*[nn.Linear(k, n) for k, n in sizes]), recipe, fsdp_fp8_all_gather=False)
+    params = [(layer.weight.detach().clone(), layer.bias.detach().clone()) for layer in model]
+    states = [LinearScalingState.from_tensors(t.detach().clone() for t in layer.scaling_state().tensors())
+              for layer in model]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(16, 64, generator=g) * (step + 1)
+        dy = torch.randn(16, 32, generator=g)
+        loss = (model(x) * dy).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        leaves = [tuple(t.requires_grad_() for t in p) for p in params]
+        tracked = [_fresh(st_) for st_ in states]
+        h = x
+        for (w, b), st_ in zip(leaves, tracked):
+            h, _ = f8.linear_delayed(h, w, b, recipe, st_)
+        want = (h * dy).sum()
+        inputs = [t for p in leaves for t in p] + [t for st_ in tracked for t in st_.tensors()]
+        grads = torch.autograd.grad(want, inputs, allow_unused=True)
+        assert torch.equal(loss, want), step
+        flat = iter(grads[:6])
+        params = [tuple(t.detach().add(next(flat), alpha=-0.05) for t in p) for p in leaves]  # SGD's update
+        new = iter(grads[6:])
+        states = [LinearScalingState.from_tensors(t.detach() if (n := next(new)) is None else n for t in st_.tensors())
+                  for st_ in tracked]
+        for layer, (w, b), st_ in zip(model, params, states):
+            assert torch.equal(layer.weight, w) and torch.equal(layer.bias, b), step
+            assert all(torch.equal(a, b) for a, b in zip(layer.scaling_state().tensors(), st_.tensors())), step
+
+
+def test_a_delayed_fp8_linear_keeps_its_checkpoint_keys():
+    """The state buffers sit under the layer's own keys, ``nn.Linear``'s and six more, so
+    checkpoints saved with these names load; a dynamic layer has ``nn.Linear``'s alone."""
+    layer = f8.nn.Fp8Linear(64, 32, recipe="delayed")
+    keys = ["weight", "bias", "fp8_x_history", "fp8_x_scale", "fp8_w_history", "fp8_w_scale", "fp8_dy_history",
+            "fp8_dy_scale"]
+    assert list(layer.state_dict()) == keys
+    assert list(f8.nn.Fp8Linear(64, 32, recipe="tensorwise").state_dict()) == keys[:2]
+    saved = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}
+    saved.update({k: torch.rand(16) if k.endswith("history") else torch.rand(1, 1) for k in keys[2:]})
+    layer.load_state_dict(saved)
+    assert all(torch.equal(layer.state_dict()[k], v) for k, v in saved.items())
+    assert layer.scaling_buffers.packed is not None  # loaded in place: still the one packed leaf
+    layer(torch.randn(8, 64)).sum().backward()
+    assert torch.equal(layer.fp8_x_history[1:], saved["fp8_x_history"][:-1])  # and trained from there
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_delayed_step_syncs_nothing_and_writes_its_states_once(compiled):
+    """A training step of a delayed model waits for no GPU value (no ``.item()``, no ``nonzero``:
+    each would be a host sync per step) and writes every layer's next state with one multi-tensor
+    copy; compiled, nothing outside the graphs packs or copies the state again."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = f8.convert(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32)),
+                       "delayed", fsdp_fp8_all_gather=False)
+    torch._dynamo.reset()
+    fn = torch.compile(model) if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 64)
+
+    def step():
+        fn(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            step()
+    ops = collections.Counter(e.name for e in prof.events())
+    assert not [k for k in ops if k in ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero")]
+    assert ops["aten::_foreach_copy_"] == 2
+    if compiled:
+        assert ops["aten::cat"] == ops["aten::clone"] == 0, ops
+
+
 def test_fp8_linear_under_a_torch_func_transform_points_to_apply():
     layer = f8.nn.Fp8Linear(64, 32, recipe="delayed")
     params = {k: v.detach() for k, v in layer.named_parameters()}
@@ -616,7 +709,7 @@ def test_fp8_linear_state_is_one_autograd_leaf_per_layer():
 
     def packed(layer):
         ts = layer.scaling_state().tensors()
-        base = layer._packed
+        base = layer.scaling_buffers.packed
         return (base is not None and base.requires_grad and not any(t.requires_grad for t in ts)
                 and all(t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() for t in ts))
 
@@ -629,12 +722,12 @@ def test_fp8_linear_state_is_one_autograd_leaf_per_layer():
     assert packed(layer) and layer.weight.dtype == torch.bfloat16 and layer.fp8_x_scale.dtype == torch.float32
     step(layer, x)
     ref = {k: v.clone() for k, v in layer.state_dict().items()}
-    assert packed(layer) and layer._packed.grad is None and layer.fp8_x_history[0] > 0
-    old = layer._packed
+    assert packed(layer) and layer.scaling_buffers.packed.grad is None and layer.fp8_x_history[0] > 0
+    old = layer.scaling_buffers.packed
     layer.to(torch.bfloat16)
-    assert packed(layer) and layer._packed is old  # nothing to move
+    assert packed(layer) and layer.scaling_buffers.packed is old  # nothing to move
     copied = copy.deepcopy(layer)
-    assert packed(copied) and copied._packed is not layer._packed
+    assert packed(copied) and copied.scaling_buffers.packed is not layer.scaling_buffers.packed
     loaded = f8.nn.Fp8Linear(64, 32, bias=False, recipe="delayed")
     loaded.load_state_dict({k: v.clone() for k, v in ref.items()}, assign=True)
     assert packed(loaded)
@@ -657,7 +750,7 @@ def test_a_state_that_cannot_be_packed_stays_six_leaves_and_says_so(caplog):
     x = torch.randn(4, 16, 64)
     with caplog.at_level(logging.DEBUG, logger="fp8func"):
         layer(x).pow(2).sum().backward()
-    assert layer._packed is None and "six autograd leaves" in caplog.text
+    assert layer.scaling_buffers.packed is None and "six autograd leaves" in caplog.text
     assert layer.fp8_x_history[0] > 0 and layer.fp8_w_history[0] > 0 and layer.fp8_x_history.grad is None
 
 
@@ -678,17 +771,18 @@ def test_next_states_are_written_once_per_model_and_after_a_backward_that_raised
 
     torch.manual_seed(0)
     model = f8.convert(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32)), "delayed", fsdp_fp8_all_gather=False)
-    assert model[0]._writes is model[1]._writes
+    assert model[0].scaling_buffers.writes is model[1].scaling_buffers.writes
     other = copy.deepcopy(model)
-    assert other[0]._writes is other[1]._writes and other[0]._writes is not model[0]._writes
+    assert other[0].scaling_buffers.writes is other[1].scaling_buffers.writes \
+        and other[0].scaling_buffers.writes is not model[0].scaling_buffers.writes
     with pytest.raises(RuntimeError, match="boom"):
         model[1](Boom.apply(model[0](torch.randn(8, 64)))).sum().backward()
     fresh = f8.convert(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32)), "delayed", fsdp_fp8_all_gather=False)
     fresh.load_state_dict(model.state_dict())
     for m in (model, fresh):
         with torch.no_grad():
-            m[1]._packed.grad = None  # what the failed backward accumulated
-        m[0]._pending = m[1]._pending = None
+            m[1].scaling_buffers.packed.grad = None  # what the failed backward accumulated
+        m[0].scaling_buffers.pending = m[1].scaling_buffers.pending = None
     x = torch.randn(8, 64)
     for m in (model, fresh):
         m(x).sum().backward()

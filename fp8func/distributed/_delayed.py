@@ -23,9 +23,9 @@ def share_scaling_state(model: nn.Module, mesh: DeviceMesh, mesh_dim: int = 0) -
     placements = tuple(Shard(0) if d == mesh_dim else Replicate() for d in range(mesh.ndim))
     n = 0
     for m in model.modules():
-        recipe = getattr(m, "recipe", None)
-        if getattr(recipe, "delayed", None) is not None and hasattr(m, "scaling_state"):
-            m.set_amax_sharding(Sharding(mesh, placements))
+        buffers = getattr(m, "scaling_buffers", None)  # a delayed-scaling Fp8Linear's
+        if buffers is not None:
+            buffers.set_amax_sharding(Sharding(mesh, placements))
             n += 1
     if n == 0:
         raise ValueError("share_scaling_state: no delayed-scaling Fp8Linear in the model; convert it with "

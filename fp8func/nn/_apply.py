@@ -27,6 +27,7 @@ from torch.func import functional_call
 
 from .._delayed import LinearScalingState, ScalingState
 from ._linear import Fp8Linear
+from ._scaling_buffers import ROLES, STATE_NAMES
 
 __all__ = ["apply", "next_states", "scaling_states"]
 
@@ -34,7 +35,7 @@ __all__ = ["apply", "next_states", "scaling_states"]
 def scaling_states(model: nn.Module) -> dict[str, torch.Tensor]:
     """The delayed-scaling states of ``model``'s layers, by buffer name (detached views):
     the ``states`` that ``apply`` takes. Empty for a model without delayed scaling."""
-    return {name: t.detach() for name, t in model.named_buffers() if name.rpartition(".")[2] in Fp8Linear._STATE_NAMES}
+    return {name: t.detach() for name, t in model.named_buffers() if name.rpartition(".")[2] in STATE_NAMES}
 
 
 def apply(model: nn.Module, params: dict[str, torch.Tensor], states: dict[str, torch.Tensor], *args,
@@ -56,21 +57,21 @@ def apply(model: nn.Module, params: dict[str, torch.Tensor], states: dict[str, t
         raise ValueError(f"fp8func.nn.apply: states {unknown[:3]} are not delayed-scaling states of this model; "
                          "pass fp8func.nn.scaling_states(model) (or tensors under those names).")
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)
-              and m.recipe.delayed is not None]
+              and m.scaling_buffers is not None]
     with contextlib.ExitStack() as stack:
         for _, m in layers:
-            stack.enter_context(m.explicit_states())
+            stack.enter_context(m.scaling_buffers.explicit())
         out = functional_call(model, {**params, **states}, args, kwargs, tie_weights=True, strict=False)
         passed = dict(states)
         for name, m in layers:
             prefix = f"{name}." if name else ""
             read = lambda attr: states.get(prefix + attr, getattr(m, attr))  # noqa: E731  (the state this call read)
             given = LinearScalingState(*(ScalingState(read(f"fp8_{r}_history"), read(f"fp8_{r}_scale"))
-                                         for r in Fp8Linear._STATE))
-            new = m.passed_on(given)
+                                         for r in ROLES))
+            new = m.scaling_buffers.passed_on(given)
             if new is None:
                 continue
-            for role, st in zip(Fp8Linear._STATE, new):
+            for role, st in zip(ROLES, new):
                 passed[f"{prefix}fp8_{role}_history"], passed[f"{prefix}fp8_{role}_scale"] = st
     return out, passed
 

@@ -30,6 +30,9 @@ __all__ = ["FP8_ALL_GATHER", "FP8_WEIGHTS", "check_fp8_weights_recipe", "hp_weig
 FP8_ALL_GATHER = "fsdp_fp8_all_gather"  # a high-precision weight FSDP2 all-gathers in FP8
 FP8_WEIGHTS = "fp8_weights"  # a weight stored in FP8 (payloads + scales), trained through MasterWeights
 
+# Registries of the process, never of a model: the weight types fp8func.distributed registers (the
+# hook by which the shell uses them without importing that layer), and the observers that verify
+# opens for the length of a check (observe_all_gathers).
 _TYPES: dict[str, type] = {}
 _OBSERVERS: list[Callable] = []
 
