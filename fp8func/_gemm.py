@@ -91,9 +91,31 @@ def _gemm_chunks(a: Fp8Tensor, b: Fp8Tensor, chunk: int, out_dtype: torch.dtype,
     """``a @ b`` as the sum, in fp32 and in chunk order, of one GEMM per chunk of the contraction
     (fp32 out), rounded to ``out_dtype`` once. A scale that changes along K cannot be applied by
     a row-wise kernel, which scales the accumulated sum; per chunk it is a tensorwise GEMM."""
+    if gemm_path(a, b, path) == "scaled_mm_tensorwise":
+        # One opaque op for all chunks: inductor lowers a scaled_mm of a chunk view with its scale
+        # a 0-dim view into the gathered scales badly (a LoweringException on CUDA); the op runs
+        # the eager code below, compiled or not.
+        blocks = [raw_block_lengths(q.granularity, tuple(q.shape))[d] or q.shape[d] for q, d in ((a, 1), (b, 0))]
+        run = _scaled_mm_chunks_op if tracing() else _scaled_mm_chunks
+        return run(a.data, b.data, a.scale.reshape(-1), b.scale.reshape(-1), chunk, blocks[0], blocks[1],
+                   out_dtype, fast_accum)
     total = None
     for i in range(a.shape[1] // chunk):
         y = gemm(_chunk(a, 1, i, chunk), _chunk(b, 0, i, chunk), torch.float32, path=path, fast_accum=fast_accum)
+        total = y if total is None else total + y
+    return total.to(out_dtype)
+
+
+def _scaled_mm_chunks(da: torch.Tensor, db: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, chunk: int,
+                      a_block: int, b_block: int, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """``_gemm_chunks`` on the tensorwise kernel: ``da [M, K] @ db [K, N]``, chunk ``i`` of K scaled
+    by ``sa[i * chunk // a_block]`` and ``sb[i * chunk // b_block]``, each chunk's GEMM in fp32, summed
+    in chunk order, rounded to ``out_dtype`` once (the per-chunk ``gemm`` of ``_chunk`` views, bitwise)."""
+    total = None
+    for i in range(da.shape[1] // chunk):
+        part = slice(i * chunk, (i + 1) * chunk)
+        y = torch._scaled_mm(_row_major(da[:, part]), col_major(db[part]), scale_a=sa[i * chunk // a_block],
+                             scale_b=sb[i * chunk // b_block], out_dtype=torch.float32, use_fast_accum=fast_accum)
         total = y if total is None else total + y
     return total.to(out_dtype)
 
@@ -272,10 +294,19 @@ _LIB.define("blockwise_scaled_mm(Tensor da, Tensor db, Tensor sa, Tensor sb, boo
             "ScalarType out_dtype) -> Tensor")
 _LIB.impl("blockwise_scaled_mm", _blockwise_scaled_mm, "CompositeExplicitAutograd")
 _blockwise_scaled_mm_op = torch.ops.fp8func.blockwise_scaled_mm
+_LIB.define("scaled_mm_chunks(Tensor da, Tensor db, Tensor sa, Tensor sb, int chunk, int a_block, int b_block, "
+            "ScalarType out_dtype, bool fast_accum) -> Tensor")
+_LIB.impl("scaled_mm_chunks", _scaled_mm_chunks, "CompositeExplicitAutograd")
+_scaled_mm_chunks_op = torch.ops.fp8func.scaled_mm_chunks
 
 
 @torch.library.register_fake("fp8func::blockwise_scaled_mm")
 def _(da, db, sa, sb, b_128x128, out_dtype):
+    return da.new_empty((da.shape[0], db.shape[1]), dtype=out_dtype)
+
+
+@torch.library.register_fake("fp8func::scaled_mm_chunks")
+def _(da, db, sa, sb, chunk, a_block, b_block, out_dtype, fast_accum):
     return da.new_empty((da.shape[0], db.shape[1]), dtype=out_dtype)
 
 

@@ -263,5 +263,8 @@ def test_gemm_of_operands_scaled_per_chunk_of_rows(path):
         dy_c = f8.Fp8Tensor(dy.data[32 * c:32 * (c + 1)], dy.scale, dy.meta)
         total = total + f8.gemm(dy_c.t(), q, torch.float32, path=path)
     assert torch.equal(f8.gemm(dy.t(), blocks, torch.bfloat16, path=path), total.to(torch.bfloat16))
+    # Compiled, the per-chunk GEMMs are one opaque op (fp8func::scaled_mm_chunks) running the same code.
+    compiled = torch.compile(lambda a, b: f8.gemm(a, b, torch.bfloat16, path=path), fullgraph=True)
+    assert torch.equal(compiled(dy.t(), blocks), total.to(torch.bfloat16))
     exact = dy.data.float().t() @ f8.dequantize(rows, torch.float32) * dy.scale
     assert f8.sqnr(exact, f8.gemm(dy.t(), blocks, torch.float32, path=path)) > 60
