@@ -111,11 +111,14 @@ def _scaled_mm_chunks(da: torch.Tensor, db: torch.Tensor, sa: torch.Tensor, sb: 
     """``_gemm_chunks`` on the tensorwise kernel: ``da [M, K] @ db [K, N]``, chunk ``i`` of K scaled
     by ``sa[i * chunk // a_block]`` and ``sb[i * chunk // b_block]``, each chunk's GEMM in fp32, summed
     in chunk order, rounded to ``out_dtype`` once (the per-chunk ``gemm`` of ``_chunk`` views, bitwise)."""
+    # cuBLASLt takes a scale only at a 16-byte aligned address (else CUBLAS_STATUS_NOT_SUPPORTED):
+    # one row of 4 per scale, so that each chunk's scale, a view of its row, is aligned.
+    sa, sb = (s.reshape(-1, 1).expand(-1, 4).contiguous() for s in (sa, sb))
     total = None
     for i in range(da.shape[1] // chunk):
         part = slice(i * chunk, (i + 1) * chunk)
-        y = torch._scaled_mm(_row_major(da[:, part]), col_major(db[part]), scale_a=sa[i * chunk // a_block],
-                             scale_b=sb[i * chunk // b_block], out_dtype=torch.float32, use_fast_accum=fast_accum)
+        y = torch._scaled_mm(_row_major(da[:, part]), col_major(db[part]), scale_a=sa[i * chunk // a_block, 0],
+                             scale_b=sb[i * chunk // b_block, 0], out_dtype=torch.float32, use_fast_accum=fast_accum)
         total = y if total is None else total + y
     return total.to(out_dtype)
 
