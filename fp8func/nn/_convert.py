@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 from .._plan import LinearPlan, plan, why_high_precision
 from .._scaling import AxisWise, Recipe
 from ._auto import MARGIN, estimate_ms, profile_for
-from ._linear import Fp8Linear, check_fp8_weights, hook_scaling_states
+from ._linear import Fp8Linear, hook_scaling_states
+from ._linear_weights import check_fp8_weights
 from ._moe import Fp8Experts, is_fused_experts
 from ._outcome import EXCLUDED, outcome
 from ._shared import share_input_casts as _share_input_casts

@@ -31,6 +31,7 @@ from .._ops import quantize
 from .._scaling import AxisWise, CastSpec, TensorWise
 from ._convert import matches
 from ._linear import Fp8Linear
+from ._linear_weights import hp_values
 
 __all__ = ["export_fp8", "quantization_config"]
 
@@ -101,7 +102,7 @@ def _tensors(model: nn.Module, fp8: dict, granularity, dtype) -> dict[str, torch
         if fqn in layers and name.startswith("fp8_"):
             continue  # delayed-scaling state
         if fqn in fp8 and name == "weight":
-            w = fp8[fqn]._hp_weight()
+            w = hp_values(fp8[fqn].weight, fp8[fqn].master_weight())
             q = quantize(w if dtype is None else w.to(dtype), spec)
             out[key] = q.data.contiguous()
             out[f"{fqn}.weight_scale"] = q.scale.reshape(() if isinstance(granularity, TensorWise) else (-1, 1))

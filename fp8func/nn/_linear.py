@@ -1,4 +1,31 @@
-"""``Fp8Linear``: an ``nn.Linear`` whose forward is one call into ``fp8func.linear``."""
+"""``Fp8Linear``: an ``nn.Linear`` whose forward is one call into ``fp8func.linear``.
+
+``recipe`` (a ``Recipe``, a recipe name or a per-GEMM ``LinearPlan``) is resolved once to the
+layer's ``plan``, which every forward runs; ``recipe`` reads back the ``Recipe`` (or the plan where
+one was given).
+
+The weight (``_linear_weights``):
+
+* with ``fsdp_fp8_all_gather=True`` it is an ``Fp8AllGatherWeight``: a plain high-precision
+  tensor to everything except FSDP2, which then all-gathers it as fp8 bytes, bitwise what the
+  bf16 all-gather followed by the cast gives;
+* with ``fp8_weights=True`` it is an ``Fp8WeightParam``: kept in FP8 (payloads + scales, no
+  high-precision copy), sharded and all-gathered as fp8 by FSDP2, trained through
+  ``fp8func.nn.MasterWeights`` (see ``docs/fp8_weights.md``). Implies the fp8 all-gather;
+* checkpoints and copies: ``state_dict`` holds the plain high-precision weight (an FP8 weight's
+  master values where ``MasterWeights`` trains it) under ``nn.Linear``'s keys, and loading one
+  keeps the weight type (and reaches the master); ``torch.save`` / ``copy.deepcopy`` of the layer
+  give independent layers with the same weight type; ``to_linear`` gives an ``nn.Linear`` back.
+
+Delayed scaling (``_scaling_buffers``): with a delayed-scaling recipe (``"delayed"``) the layer
+holds its ``LinearScalingState`` as buffers (``fp8_{x,w,dy}_{history,scale}``: in the state_dict
+and checkpoints, never seen by the optimizer) and a ``ScalingBuffers`` (``scaling_buffers``; None
+for dynamic recipes) that packs them into one autograd leaf and writes the next state, their
+gradient, into them at the end of each backward ("overwrite with gradient"): the forward never
+changes them. With ``DelayedScaling(weight=False)`` the weight is cast dynamically (its buffers
+stay as initialized) and FSDP2 can all-gather it in FP8. Under ``torch.func`` transforms, use
+``fp8func.nn.apply``, which passes the states in and out explicitly.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +34,29 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .._autograd import fp8_linear
 from .._delayed import LinearScalingState
 from .._gathered import casts_only, gathered_casts
 from .._plan import LinearPlan, plan
 from .._scaling import Recipe
+from ._linear_weights import (
+    all_gather_setting,
+    check_forward_cast,
+    check_high_precision,
+    kept_kind,
+    load_master,
+    load_weight,
+    pickled_state,
+    plain_linear,
+    save_weight,
+    stored_casts,
+    typed_weight,
+    unpickled_state,
+)
 from ._scaling_buffers import STATE_NAMES, ScalingBuffers
 from ._state_writes import StateWrites
-from ._weights import (
-    FP8_ALL_GATHER,
-    FP8_WEIGHTS,
-    check_fp8_weights_recipe,
-    hp_weight,
-    local_of,
-    weight_kind,
-    weight_type,
-    wrap_weight,
-)
+from ._weights import FP8_WEIGHTS, local_of, weight_type
 
 __all__ = ["Fp8Linear", "hook_scaling_states"]
 
@@ -33,31 +64,8 @@ __all__ = ["Fp8Linear", "hook_scaling_states"]
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` computed in FP8 per ``recipe``; same parameters and state_dict keys.
 
-    ``recipe``: a ``Recipe``, a recipe name or a per-GEMM ``LinearPlan``, resolved once to the
-    layer's ``plan``, which every forward runs; ``recipe`` reads back the ``Recipe`` (or the plan
-    where one was given).
-
-    With ``fsdp_fp8_all_gather=True`` the weight is an ``Fp8AllGatherWeight``: a plain
-    high-precision tensor to everything except FSDP2, which then all-gathers it as fp8 bytes,
-    bitwise what the bf16 all-gather followed by the cast gives.
-
-    With ``fp8_weights=True`` the weight is an ``Fp8WeightParam``: kept in FP8 (payloads +
-    scales, no high-precision copy), sharded and all-gathered as fp8 by FSDP2, trained through
-    ``fp8func.nn.MasterWeights`` (see ``docs/fp8_weights.md``). Implies the fp8 all-gather.
-
-    With a delayed-scaling recipe (``"delayed"``) the layer holds its ``LinearScalingState`` as
-    buffers (``fp8_{x,w,dy}_{history,scale}``: in the state_dict and checkpoints, never seen by
-    the optimizer) and a ``ScalingBuffers`` (``scaling_buffers``; None for dynamic recipes) that
-    packs them into one autograd leaf and writes the next state, their gradient, into them at the
-    end of each backward ("overwrite with gradient"): the forward never changes them. With
-    ``DelayedScaling(weight=False)`` the weight is cast dynamically (its buffers stay as
-    initialized) and FSDP2 can all-gather it in FP8. Under ``torch.func`` transforms, use
-    ``fp8func.nn.apply``, which passes the states in and out explicitly.
-
-    Checkpoints and copies: ``state_dict`` holds the plain high-precision weight (an FP8 weight's
-    master values where ``MasterWeights`` trains it) under ``nn.Linear``'s keys, and loading one
-    keeps the weight type (and reaches the master); ``torch.save`` / ``copy.deepcopy`` of the layer
-    give independent layers with the same weight type; ``to_linear`` gives an ``nn.Linear`` back.
+    ``fsdp_fp8_all_gather``: FSDP2 all-gathers the weight in FP8; ``fp8_weights``: the weight is
+    kept in FP8, trained through ``MasterWeights``. See the module docstring for delayed scaling.
 
     Example:
         >>> layer = Fp8Linear(4096, 4096, recipe=fp8func.Recipe.from_name("rowwise"))
@@ -76,26 +84,17 @@ class Fp8Linear(nn.Linear):
                  fp8_weights: bool = False):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.scaling_buffers = None  # an instance attribute: a stable guard
-        # resolved once: every forward passes this frozen object on (a constant to torch.compile)
-        self.plan: LinearPlan = plan(recipe, "Fp8Linear")
-        self.fsdp_fp8_all_gather = fsdp_fp8_all_gather
+        self.plan: LinearPlan = plan(recipe, "Fp8Linear")  # resolved once: a constant to torch.compile
+        self.fsdp_fp8_all_gather = all_gather_setting(self.plan, fsdp_fp8_all_gather, fp8_weights)
         self.fp8_weights = fp8_weights
-        if fp8_weights:
-            check_fp8_weights(self.plan, fsdp_fp8_all_gather)
-            self.weight = nn.Parameter(weight_type(FP8_WEIGHTS)(self.weight.data, self.plan))
-            return
         if self.plan.delayed is not None:
-            if self.plan.delayed.weight:
-                fsdp_fp8_all_gather = False  # the FSDP2 fp8 gather casts dynamically; see convert()
-                self.fsdp_fp8_all_gather = False
             self._init_state(self.weight.device)
-        if fsdp_fp8_all_gather:
-            self.weight = nn.Parameter(weight_type(FP8_ALL_GATHER)(self.weight.data, self.plan))
+        if self._weight_kind() is not None:
+            self.weight = typed_weight(self.weight, self._weight_kind(), self.plan)
 
     @property
     def recipe(self) -> Recipe | LinearPlan:
-        """The ``Recipe`` the layer was made with (a name resolved), or its ``LinearPlan`` where it
-        was given one: what reports show. The layer runs ``plan``."""
+        """The ``Recipe`` the layer was made with (a name resolved), or the ``LinearPlan`` given."""
         return self.plan.given
 
     # What other parts of the shell change on a layer, each through its own method.
@@ -123,8 +122,7 @@ class Fp8Linear(nn.Linear):
         return LinearScalingState.from_tensors(getattr(self, name) for name in STATE_NAMES)
 
     def hook_scaling_state(self) -> None:
-        """Hooks the state buffers for the write of the next state (``ScalingBuffers.hook``), packed
-        again where something replaced them; nothing for dynamic scaling."""
+        """Hooks the state buffers for the write of the next state (``ScalingBuffers.hook``)."""
         if self.scaling_buffers is not None:
             self._register_state(self.scaling_buffers.hook(self.scaling_state()))
 
@@ -148,144 +146,62 @@ class Fp8Linear(nn.Linear):
     @classmethod
     def from_linear(cls, linear_: nn.Linear, recipe: Recipe | LinearPlan | str, fsdp_fp8_all_gather: bool = True,
                     fp8_weights: bool = False) -> "Fp8Linear":
-        """An ``Fp8Linear`` holding ``linear_``'s parameters (the same values, no re-init; with
-        ``fp8_weights`` the weight's values are staged, quantized at the first use)."""
+        """An ``Fp8Linear`` holding ``linear_``'s parameters (no re-init; FP8 weights stage the values)."""
         p = plan(recipe)
-        if fp8_weights:
-            check_fp8_weights(p, fsdp_fp8_all_gather)
-        fsdp_fp8_all_gather = fsdp_fp8_all_gather and (p.delayed is None or not p.delayed.weight)
+        fsdp_fp8_all_gather = all_gather_setting(p, fsdp_fp8_all_gather, fp8_weights)
         with torch.device("meta"):
             new = cls(linear_.in_features, linear_.out_features, bias=False, recipe=p, fsdp_fp8_all_gather=False)
-        weight = linear_.weight
-        if fp8_weights:
-            weight = nn.Parameter(weight_type(FP8_WEIGHTS)(weight.data, p), requires_grad=weight.requires_grad)
-        elif fsdp_fp8_all_gather:
-            weight = nn.Parameter(weight_type(FP8_ALL_GATHER)(weight.data, p), requires_grad=weight.requires_grad)
-        new.weight = weight
-        new.bias = linear_.bias
-        new.fsdp_fp8_all_gather = fsdp_fp8_all_gather
-        new.fp8_weights = fp8_weights
+        new.fsdp_fp8_all_gather, new.fp8_weights = fsdp_fp8_all_gather, fp8_weights
+        new.weight, new.bias = typed_weight(linear_.weight, new._weight_kind(), p), linear_.bias
         if p.delayed is not None:
             new._init_state(linear_.weight.device)
         return new
 
+    # The weight: what checkpoints, copies and to_linear see of it (_linear_weights).
     def _weight_kind(self) -> str | None:
-        """The registered weight type this layer keeps its weight in (None: a plain tensor)."""
-        return FP8_WEIGHTS if self.fp8_weights else FP8_ALL_GATHER if self.fsdp_fp8_all_gather else None
+        return kept_kind(self.fp8_weights, self.fsdp_fp8_all_gather)
 
     def master_weight(self) -> torch.Tensor | None:
-        """The master parameter ``fp8func.nn.MasterWeights`` trains for this layer's FP8 weight
-        (placed like it), or None: what checkpoints, copies and ``to_linear`` take the weight from."""
+        """The master ``fp8func.nn.MasterWeights`` trains for this layer's FP8 weight, or None."""
         return None if self._master is None else self._master()
-
-    @torch.no_grad()
-    def _hp_weight(self) -> torch.Tensor:
-        """The weight's high-precision values (a DTensor over them where it is one), in its dtype."""
-        master = self.master_weight()
-        if master is not None:
-            return master.detach().to(self.weight.dtype)
-        return hp_weight(self.weight)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        key = prefix + "weight"
-        if not keep_vars and key in destination:
-            # Plain high-precision values (a DTensor over them under FSDP2 / TP), as an nn.Linear's
-            # state_dict has: safetensors, save_pretrained, torch.load(weights_only=True) and every
-            # model read them. FP8 weights give their master's values where MasterWeights keeps one.
-            destination[key] = self._hp_weight()
-        if not keep_vars and self.scaling_buffers is not None:
-            self.scaling_buffers.save(destination, prefix, self.weight)
+        if not keep_vars:
+            save_weight(destination, prefix + "weight", self.weight, self.master_weight())
+            if self.scaling_buffers is not None:
+                self.scaling_buffers.save(destination, prefix, self.weight)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        key, kind = prefix + "weight", self._weight_kind()
-        value = state_dict.get(key)
-        if (kind is not None and local_metadata.get("assign_to_params_buffers", False)
-                and isinstance(value, torch.Tensor) and weight_kind(value) != kind):
-            # load_state_dict(assign=True) (accelerate's FSDP2 loading does it) puts the checkpoint's
-            # tensor in place of the weight: it takes this layer's weight type.
-            state_dict[key] = wrap_weight(value, kind, self.plan)
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):  # args: strict, missing, ...
+        value = load_weight(state_dict, prefix + "weight", self._weight_kind(), self.plan,
+                            local_metadata.get("assign_to_params_buffers", False))
         if self.scaling_buffers is not None:
             self.scaling_buffers.load(state_dict, prefix, self.scaling_state())
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        master = self.master_weight()
-        if master is not None and isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(master.shape):
-            with torch.no_grad():  # the masters take the loaded values: the next step re-quantizes from them
-                master.copy_(value)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+        load_master(self.master_weight(), value)
         self.hook_scaling_state()  # load_state_dict(assign=True) puts new state tensors in place
 
     def __getstate__(self):
-        state = super().__getstate__().copy()
-        master = self.master_weight()
-        state["_master"] = None  # a copy is not trained by the original's MasterWeights
-        w = self._parameters.get("weight")
-        if master is not None and not isinstance(w, DTensor):
-            params = dict(state["_parameters"])
-            params["weight"] = nn.Parameter(self._hp_weight(), requires_grad=w.requires_grad)
-            state["_parameters"] = params
-        return state
+        return pickled_state(super().__getstate__(), self._parameters.get("weight"), self.master_weight())
 
     def __setstate__(self, state):
-        super().__setstate__(_current(state))
-        kind, w = self._weight_kind(), self._parameters.get("weight")
-        if kind is not None and isinstance(w, torch.Tensor) and weight_kind(w) != kind:
-            # Pickled (torch.save of the model, copy by pickling) as its plain values: wrap them again.
-            self.weight = nn.Parameter(wrap_weight(w, kind, self.plan), requires_grad=w.requires_grad)
-        # A copy's state buffers are new tensors, without the hook: hook them now, so that a copy's
-        # first call may be a compiled one.
-        self.hook_scaling_state()
+        super().__setstate__(unpickled_state(_current(state)))
+        self.hook_scaling_state()  # a copy's buffers are new tensors: hooked now, its first call may be compiled
 
-    @torch.no_grad()
     def to_linear(self) -> nn.Linear:
-        """A plain ``nn.Linear`` with this layer's parameters (``fp8func.unconvert`` calls it).
-
-        The bias is the same ``Parameter``; the weight is the same tensor for a high-precision
-        weight, the wrapped tensor itself (same storage, no copy) for the fp8 all-gather weight,
-        and the high-precision values of FP8 weights (their master's where ``MasterWeights`` keeps
-        one), in the weight's dtype. Raises for a sharded weight (FSDP2, tensor parallel).
-        """
-        w = self.weight
-        if isinstance(w, DTensor):
-            raise ValueError(
-                "fp8func.unconvert: this layer's weight is a DTensor (sharded by FSDP2 or tensor parallel); "
-                "unconvert before fully_shard / parallelize_module, or load the model's full state_dict "
-                "(torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
-                "full_state_dict=True))) into a plain model.")
-        with torch.device("meta"):
-            new = nn.Linear(self.in_features, self.out_features, bias=False)
-        if weight_kind(w) is not None:
-            w = nn.Parameter(self._hp_weight(), requires_grad=w.requires_grad)
-        new.weight, new.bias = w, self.bias
-        return new.train(self.training)
+        """A plain ``nn.Linear`` with this layer's parameters (``fp8func.unconvert`` calls it)."""
+        return plain_linear(self, self.master_weight())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        local = local_of(w)
-        w_casts = gathered_casts(w)
+        local, w_casts = local_of(w), gathered_casts(w)
         if not self.fp8_enabled:
-            if w_casts is not None:
-                raise RuntimeError("fp8func: a high-precision phase reached a layer whose weight FSDP2 gathered in "
-                                   "FP8; convert with fsdp_fp8_all_gather=False to schedule precisions.")
+            check_high_precision(w_casts)
             return F.linear(x, w, self.bias)
-        if isinstance(local, weight_type(FP8_WEIGHTS)):
-            if local is not w:
-                raise RuntimeError(
-                    "fp8func: this layer's fp8 weight reached its forward still sharded (a DTensor): only "
-                    "FSDP2 gathers fp8 weights. Wrap the layer or a parent with fully_shard, or convert "
-                    "without fp8_weights for tensor parallel alone."
-                )
-            # Outside FSDP2: the stored casts (staged values are quantized now, whole-tensor amax).
-            return fp8_linear(x, w, self.bias, self.plan, w_casts=local.casts(), x_casts=self._x_casts(x, w))[0]
-        if w_casts is not None and "w" not in local.valid:
-            raise RuntimeError(
-                "fp8func: this layer's forward ran while FSDP2 held only its backward (grad_input) "
-                "weight cast: activation checkpointing recomputes the forward inside the backward, "
-                "after FSDP2 re-gathered the weight for the backward alone. Use fully_shard(..., "
-                "reshard_after_forward=False) for checkpointed blocks, a tensorwise or blockwise "
-                "recipe, or convert(..., fsdp_fp8_all_gather=False)."
-            )
+        if isinstance(local, weight_type(FP8_WEIGHTS)):  # outside FSDP2: its stored casts
+            x_casts = self._x_casts(x, w)
+            return fp8_linear(x, w, self.bias, self.plan, w_casts=stored_casts(w, local), x_casts=x_casts)[0]
+        check_forward_cast(w_casts, local)
         buffers = self.scaling_buffers
         if buffers is None:
             return fp8_linear(x, w, self.bias, self.plan, w_casts=w_casts, x_casts=self._x_casts(x, w))[0]
@@ -297,13 +213,10 @@ class Fp8Linear(nn.Linear):
         return y
 
     def _x_casts(self, x: torch.Tensor, w: torch.Tensor) -> dict | None:
-        """The input's casts made once for this layer's sibling group (``SharedInputCasts``); None
-        where the layer casts it itself, or where ``x`` exists only as its casts (gathered in FP8 by
-        a sequence-parallel style), which the op reads from ``x``."""
-        # eager only (see SharedInputCasts); compiled code never reads the group, a per-layer object
-        if casts_only(x) or torch.compiler.is_compiling() or self._input_casts is None:
-            return None
-        return self._input_casts.get(x, self.plan, w.requires_grad)
+        """The input's casts made once for the sibling group (``SharedInputCasts``; eager only: compiled
+        code never reads the group, a per-layer object), or None: the op casts ``x`` or reads its casts."""
+        group = None if casts_only(x) or torch.compiler.is_compiling() else self._input_casts
+        return None if group is None else group.get(x, self.plan, w.requires_grad)
 
     def extra_repr(self) -> str:
         fp8_weights = ", fp8_weights=True" if self.fp8_weights else ""
@@ -323,13 +236,6 @@ def _current(state: dict) -> dict:
     if state["plan"].delayed is not None and state.get("scaling_buffers") is None:
         state["scaling_buffers"] = ScalingBuffers(old.get("_writes"), old.get("amax_sharding"))
     return state
-
-
-def check_fp8_weights(recipe: Recipe | LinearPlan, fsdp_fp8_all_gather: bool) -> None:
-    check_fp8_weights_recipe(recipe)
-    if not fsdp_fp8_all_gather:
-        raise ValueError("fp8func: fp8_weights=True keeps no high-precision weight to all-gather, so it implies "
-                         "the fp8 all-gather; drop fsdp_fp8_all_gather=False (or set fp8_weights=False).")
 
 
 def hook_scaling_states(model: nn.Module) -> int:
