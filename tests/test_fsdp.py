@@ -284,6 +284,199 @@ def test_a_precomputed_scale_is_never_used_stale():
     assert on["precomputed_used"] >= 15 and on["fresh_scales"] == 2 * 15, (on["precomputed_used"], on["fresh_scales"])
 
 
+def _poke(model, rank) -> None:
+    """Writes three weights in place, without a precompute after: an in-place op on the FSDP2
+    parameter, a ``load_state_dict`` (every parameter), a write through a ``detach()`` alias."""
+    from fp8func.distributed._compat import local_tensor
+
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+        sd = model.state_dict()
+        key = "model.layers.0.mlp.down_proj.weight"
+        sd[key] = sd[key] * 0.75
+        model.load_state_dict(sd)
+        local_tensor(model.lm_head.weight).detach().mul_(0.5)
+
+
+def _precomputed_run(rank, world_size, recipe, on, reshard, compiled, steps=4, poke_after=1):
+    """``steps`` FSDP2 steps with the automatic precompute; after step ``poke_after``'s optimizer
+    step, ``_poke``. Per step: the casts and collectives made inside the pre-all-gather hooks,
+    the collectives of the step by kind (c10d's flight recorder: every collective the process
+    group ran), the payload bytes kept after the optimizer step against the shards' elements, and
+    stale entries kept. Also the losses, the trained weights, and whether the poked weight's first
+    gathered ``w`` payload after the poke is bitwise a fresh cast of its shard."""
+    import pickle
+
+    import torch.distributed._functional_collectives as funcol
+
+    import fp8func.distributed._fsdp as fsdp_mod
+    from fp8func.distributed._compat import local_tensor
+
+    f8.distributed.precompute_after_optimizer_step(True)
+    model, opt = _model_and_opt(world_size, recipe, layers=1 if compiled else 2, lr=3e-3,
+                                fsdp_fp8_all_gather=on, reshard=reshard)
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile(fullgraph=True)
+    in_hook, hook_casts, hook_colls, fresh, seen = [False], [], [], [], []
+    poked = local_tensor(model.model.layers[0].self_attn.q_proj.weight)
+
+    def counting(fn, counts):
+        return lambda *a, **k: (counts.__setitem__(-1, counts[-1] + in_hook[0]), fn(*a, **k))[1]
+
+    hook = fsdp_mod.Fp8AllGatherWeight.__dict__["fsdp_pre_all_gather"]
+    orig_hook = hook._fn
+
+    def pre_hook(weight, *a, **k):
+        in_hook[0] = True
+        try:
+            out = orig_hook(weight, *a, **k)
+        finally:
+            in_hook[0] = False
+        if weight is poked and fresh and not seen:
+            seen.append(torch.equal(out[0][0][:fresh[0].shape[0]], fresh[0]))
+        return out
+
+    patched = [(fsdp_mod, n, hook_casts) for n in ("cast", "cast_with_scale", "scale_for_cast")]
+    patched += [(funcol, "all_reduce", hook_colls), (dist, "all_reduce", hook_colls)]
+    restore = [(mod, n, getattr(mod, n)) for mod, n, _ in patched]
+    for mod, n, counts in patched:
+        setattr(mod, n, counting(getattr(mod, n), counts))
+    hook._fn = pre_hook
+    dump = torch._C._distributed_c10d._dump_fr_trace
+    last = max((e["record_id"] for e in pickle.loads(dump(True, False, False)).get("entries", [])), default=-1)
+    losses, colls, kept = [], [], []
+    try:
+        for step in range(steps):
+            hook_casts.append(0)
+            hook_colls.append(0)
+            ids, labels = batch(step, rank)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            entries = [e for e in pickle.loads(dump(True, False, False))["entries"] if e["record_id"] > last]
+            last = max([last] + [e["record_id"] for e in entries])
+            kinds: dict = {}
+            for e in entries:
+                kinds[e["profiling_name"]] = kinds.get(e["profiling_name"], 0) + 1
+            colls.append(kinds)
+            kept.append(_kept_bytes(model) if on else None)
+            if step == poke_after:
+                _poke(model, rank)
+                if on and recipe == "rowwise":  # w: row scales, within the shard
+                    spec = dict(weight_casts(poked.plan))["w"]
+                    fresh.append(fsdp_mod.cast(poked.hp_values().to(torch.bfloat16), spec)[0].data.view(torch.uint8))
+    finally:
+        hook._fn = orig_hook
+        for mod, n, fn in restore:
+            setattr(mod, n, fn)
+    weights = [p.to_local().detach().clone() for p in model.parameters()]
+    return {"losses": losses, "weights": weights, "hook_casts": hook_casts, "hook_colls": hook_colls,
+            "colls": colls, "kept": kept, "fresh_seen": seen}
+
+
+def _kept_bytes(model) -> tuple[int, int, int]:
+    """(payload bytes the fp8 all-gather weights keep, elements of their shards, kept entries or
+    all-gathers made at another weight version than the current one)."""
+    from fp8func.distributed._compat import local_tensor
+    from fp8func.distributed._fsdp import Fp8AllGatherWeight
+
+    payload = numel = stale = 0
+    for p in model.parameters():
+        w = local_tensor(p)
+        if isinstance(w, Fp8AllGatherWeight):
+            numel += w.numel()
+            version = w.weight_version()
+            for e in w._scales.values():
+                payload += e[2].numel() * e[2].element_size() if len(e) == 3 else 0
+                stale += e[0] != version
+            for g in w.__dict__.get("_gathers_kept", {}).values():
+                stale += g.entries is not None and any(e[0] != version for _, e in g.entries)
+    return payload, numel, stale
+
+
+def _precomputed_on_off(rank, world_size, *args):
+    on = _precomputed_run(rank, world_size, args[0], True, *args[1:])
+    torch._dynamo.reset()
+    return on, _precomputed_run(rank, world_size, args[0], False, *args[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,reshard,compiled", [("rowwise", True, False), ("rowwise", False, False),
+                                                     ("rowwise", True, True), ("tensorwise", True, False)])
+def test_precomputed_casts_keep_the_contract_and_the_hooks_cast_and_reduce_nothing(recipe, reshard, compiled):
+    """Every optimizer step precomputes every FSDP2 fp8 weight's casts (row-wise: w with row
+    scales and w_t with column scales, the column amaxes of all weights in one all-reduce) and
+    keeps their payloads; the hooks then hand FSDP2 the kept payloads. Checked per step: the
+    losses and trained weights are bitwise the fp8 all-gather off; after the first step the hooks
+    cast nothing and launch no collective, and the step runs the collectives of the high-precision
+    path plus that one all-reduce (c10d's flight recorder, every collective of the process
+    group); the payloads kept between steps are one byte per shard element per cast (row-wise:
+    two), none stale. A weight written in place after the precompute (an in-place op, a
+    ``load_state_dict``, a write through an alias) is never sent stale: its next gather is a
+    fresh cast, bitwise."""
+    if not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
+        pytest.skip(f"torch {torch.__version__} has no c10d flight recorder dump for gloo")
+    import os
+
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "20000"  # before the workers make their process groups
+    try:
+        results = run_workers(_precomputed_on_off, 2, recipe, reshard, compiled)
+    finally:
+        del os.environ["TORCH_FR_BUFFER_SIZE"]
+    casts = 2 if recipe == "rowwise" else 1
+    for on, off in results:
+        assert on["losses"] == off["losses"], (on["losses"], off["losses"])
+        assert all(torch.equal(a, b) for a, b in zip(on["weights"], off["weights"]))
+        # step 2 follows the poke: its hooks cast (and reduce) what was written; steps 1 and 3 nothing
+        assert on["hook_casts"][1] == on["hook_casts"][3] == 0 < on["hook_casts"][2], on["hook_casts"]
+        assert on["hook_colls"][1] == on["hook_colls"][3] == 0, on["hook_colls"]
+        for step in (1, 3):
+            plus_one = {k: v + ("all_reduce" in k) for k, v in off["colls"][step].items()}
+            assert on["colls"][step] == plus_one, (step, on["colls"][step], off["colls"][step])
+        for payload, numel, stale in on["kept"]:
+            assert payload == casts * numel and stale == 0, on["kept"]
+        assert on["fresh_seen"] == ([True] if recipe == "rowwise" else []), on["fresh_seen"]
+
+
+@pytest.mark.parametrize("write", ["mul_", "copy_", "detach_alias", "hp_values_alias", "data", "load_state_dict"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_kept_casts_are_bitwise_fresh_casts_and_any_write_makes_them_stale(recipe, write):
+    """A weight's kept casts (``_keep_casts``, what precompute_scales keeps for the all-gathers)
+    are bitwise the casts of its shard in the param dtype; after any write to the weight they
+    are no longer current, so the hook casts afresh."""
+    from fp8func._ops import quantize
+    from fp8func.distributed import Fp8AllGatherWeight
+
+    layer = f8.convert(torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)), recipe)[0]
+    w = layer.weight
+    assert isinstance(w, Fp8AllGatherWeight)
+    w._param_dtype, w._sharding_kept = torch.bfloat16, (None, None, ())  # as after an all-gather, one rank
+    w._keep_casts()
+    assert w._payloads_kept()
+    for name, spec in weight_casts(w.plan):
+        want = quantize(w.hp_values().to(torch.bfloat16), spec)
+        _, scale, data = w._scales[name]
+        assert torch.equal(scale, want.scale) and torch.equal(data.view(torch.uint8), want.data.view(torch.uint8))
+    new = torch.randn(32, 64)
+    with torch.no_grad():
+        if write == "mul_":
+            w.mul_(2)
+        elif write == "copy_":
+            w.copy_(new)
+        elif write == "detach_alias":
+            w.detach().add_(1)
+        elif write == "hp_values_alias":
+            w.hp_values().add_(1)
+        elif write == "data":
+            w.data = new
+        else:
+            layer.load_state_dict({"weight": new})
+    assert not w._payloads_kept() and w._kept_gather(None, torch.bfloat16, (32, 64), ("w",)) is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_fsdp_compiled_on_off_bitwise(recipe):
@@ -469,15 +662,16 @@ def _counted_steps(model, opt, rank, steps, counts) -> list[float]:
     return losses
 
 
-def _model_and_opt(world_size, recipe="tensorwise", layers=1, lr=1e-3, fsdp_fp8_all_gather=True):
+def _model_and_opt(world_size, recipe="tensorwise", layers=1, lr=1e-3, fsdp_fp8_all_gather=True, reshard=None):
     """A tiny Qwen3 converted to ``recipe``, each layer and the root under FSDP2 (fp32 masters,
-    bf16 all-gathers), and its AdamW."""
+    bf16 all-gathers; ``reshard``: reshard_after_forward, FSDP2's default where None), and its AdamW."""
+    kw = {} if reshard is None else {"reshard_after_forward": reshard}
     mesh = init_device_mesh("cpu", (world_size,))
     model = f8.convert(tiny_qwen3(layers=layers), recipe, fsdp_fp8_all_gather=fsdp_fp8_all_gather)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, **kw)
+    fully_shard(model, mesh=mesh, mp_policy=mp, **kw)
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 

@@ -58,11 +58,13 @@ def find_fsdp_param(weight, cache: list | None = None):
     return None
 
 
+_PASSES = {"FORWARD": "forward", "PRE_BACKWARD": "backward"}
+
+
 def fsdp_pass(group) -> str:
     """"forward", "backward" or "unknown": the training state of an FSDP2 param group
     (``FSDPParamGroup._training_state``: ``FORWARD`` / ``PRE_BACKWARD``) during its unshard."""
-    name = getattr(getattr(group, "_training_state", None), "name", "")
-    return {"FORWARD": "forward", "PRE_BACKWARD": "backward"}.get(name, "unknown")
+    return _PASSES.get(getattr(getattr(group, "_training_state", None), "name", ""), "unknown")
 
 
 def reshards_after_forward(group) -> bool:

@@ -20,6 +20,11 @@ forward's gather moves ``w`` and the backward's ``w_t`` (one payload each, half 
 bytes); without it the one gather moves both (as many bytes as bf16). Tensorwise and 128x128
 block weights move one payload. Every gather of a weight has the same inputs, in the same
 order (payloads, then row-split scales): FSDP2 sizes its buffers once (``GatherHooks._slots``).
+
+After each optimizer step ``precompute_scales`` casts every cast of every shard (the scales that
+span ranks in one all-reduce for all weights) and keeps the payloads with the weight's version,
+with the all-gather inputs and metadata made from them; while the weight is unchanged the hook
+hands FSDP2 those (no cast, no collective), else it casts the shard itself.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import operator
 import weakref
 from collections import OrderedDict
 from typing import NamedTuple
@@ -160,8 +166,9 @@ class GatherHooks:
         spec = tp_spec(found[1])
         return () if spec is None else (Sharding(spec.mesh, tuple(spec.placements)),)
 
-    def _slots(self, module, names: list[str]) -> list[str]:
-        """The casts whose payloads travel in this all-gather.
+    def _slots(self, module, names):
+        """The casts whose payloads travel in this all-gather (of ``names``, a list or tuple: the
+        same kind comes back).
 
         One cast: that one. Two (row-wise weights): when FSDP2 reshards after forward, the forward
         gathers the forward's cast and the backward the grad_input's, into the same buffer (each
@@ -184,32 +191,35 @@ class GatherHooks:
             )
         if want == 2:
             return names
-        return [names[0]] if state == "forward" else [names[1]]
+        return names[:1] if state == "forward" else names[1:2]
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         entries, slots, n = metadata
         key = (tuple(o if o._base is None else o._base for o in all_gather_outputs), metadata)
+        views = None
         if out is not None:
             target = local_tensor(out)
             if not isinstance(target, Fp8GatheredWeight):
                 raise RuntimeError(f"fp8func: FSDP2 passed out={type(target).__name__}; expected an Fp8GatheredWeight.")
-            if _same(key, target.__dict__.get("_gather_key")):
+            if _same_gather(key, target.__dict__.get("_gather_key")):
                 # The same buffers (FSDP2 refilled them in place) and the same scales: the casts
                 # it holds, views of those buffers, already read this all-gather's bytes.
                 return None
+            views = target.__dict__.get("_gather_views")
+        views = _output_views(key[0], views)
         # Not validated again (trusted_fp8_tensor): the hook made these metadata from valid casts.
         casts = {
-            name: trusted_fp8_tensor(_gathered_payload(all_gather_outputs, slot)[:n].view(meta.spec.dtype),
-                                     _gathered_scale(all_gather_outputs, scale), meta)
+            name: trusted_fp8_tensor(_gathered_payload(all_gather_outputs, views, slot, n, meta.spec.dtype),
+                                     _gathered_scale(all_gather_outputs, views, scale), meta)
             for name, slot, scale, meta in entries
         }
         if out is not None:
             target.set_casts(casts, slots)
-            target._gather_key = key
+            target._gather_key, target._gather_views = key, views
             return None
         shape = (n, all_gather_outputs[0].shape[-1])
         weight = Fp8GatheredWeight(casts, shape, param_dtype, slots)
-        weight._gather_key = key
+        weight._gather_key, weight._gather_views = key, views
         return weight, ()
 
 
@@ -222,6 +232,35 @@ def _same(a, b) -> bool:
     if isinstance(a, tuple):
         return len(a) == len(b) and all(map(_same, a, b))
     return a == b
+
+
+def _same_gather(key: tuple, kept: tuple | None) -> bool:
+    """``_same(key, kept)`` for two all-gather keys ``(output buffers, metadata)``, the cheap
+    differences first: the buffers by identity, the very same metadata (what the hook hands
+    back from kept payloads), the slots and rows; then the entries by value."""
+    if kept is None:
+        return False
+    (bases, meta), (kept_bases, kept_meta) = key, kept
+    if len(bases) != len(kept_bases) or not all(map(operator.is_, bases, kept_bases)):
+        return False
+    return meta is kept_meta or (meta[1:] == kept_meta[1:] and _same(meta[0], kept_meta[0]))
+
+
+class _OutputViews(NamedTuple):
+    """The tensors under FSDP2's all-gather outputs of a weight (their ``_base``) and the views
+    of them its casts read (payload rows as fp8, row-split scales as float32), by ``(slot, shape
+    of the output, rows, dtype)``: FSDP2 refills the same tensors at every all-gather (and hands
+    the hook new views of them, of the same shapes), so the views are made once."""
+
+    bases: tuple
+    views: dict
+
+
+def _output_views(bases: tuple, kept: _OutputViews | None) -> _OutputViews:
+    """``kept`` while it is of these very tensors, else a new, empty one."""
+    if kept is not None and len(kept.bases) == len(bases) and all(map(operator.is_, kept.bases, bases)):
+        return kept
+    return _OutputViews(bases, {})
 
 
 class _Writes:
@@ -258,8 +297,8 @@ class Fp8AllGatherWeight(AssignableData, GatherHooks, torch.Tensor):
         # Each cast's scale by cast name, with the weight_version() it was made at: by the last
         # all-gather (the backward's all-gather under reshard_after_forward casts the unchanged
         # weight again and reuses it: no second amax and amax all-reduce per weight and step), or
-        # by precompute_scales, which also keeps the cast payload (the fp8 shard) it made with it.
-        # Used only while the version is unchanged.
+        # by precompute_scales, which casts every cast of the shard and keeps its payload (the fp8
+        # shard) with it. Used only while the version is unchanged.
         self._scales: dict[str, tuple] = {}
         self._fsdp_group: list = [None, None]  # weakrefs to FSDP2's (param group, FSDPParam): compat's cache
         self._n_slots: int | None = None
@@ -312,6 +351,7 @@ class Fp8AllGatherWeight(AssignableData, GatherHooks, torch.Tensor):
         self._tensor, self._plan, self._writes = new._tensor, new._plan, new._writes
         self._writes.n += 1
         self._scales.clear()
+        self.__dict__.pop("_gathers_kept", None)  # made from the old values, maybe of another shape
 
     def _wrap_data(self, values: torch.Tensor) -> "Fp8AllGatherWeight":
         return Fp8AllGatherWeight(values, self._plan)
@@ -355,62 +395,124 @@ class Fp8AllGatherWeight(AssignableData, GatherHooks, torch.Tensor):
 
     @signed_hook
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        kept = self.__dict__.get("_inputs_kept")
-        if kept is not None and kept[0][0] is mesh and kept[0][1] == (mp_policy.param_dtype or self._tensor.dtype) \
-                and kept[0][2] == tuple(outer_size):
-            out = self._kept_inputs(kept)
-            if out is not None:
-                notify_all_gather(self, module, out[0], mp_policy)
-                return out
+        param_dtype = mp_policy.param_dtype or self._tensor.dtype
+        names = self._cast_names()
+        slots = names if len(names) == 1 else self._slots(module, names)
+        out = self._kept_gather(mesh, param_dtype, outer_size, slots)
+        if out is None:
+            out = self._gather_inputs(mesh, outer_size, param_dtype, slots)
+        notify_all_gather(self, module, out[0], mp_policy)
+        return out
+
+    def _cast_names(self) -> tuple[str, ...]:
+        """The names of ``_weight_casts()``, kept with them."""
+        kept = self.__dict__.get("_names_kept")
+        casts = self._weight_casts()
+        if kept is None or kept[0] is not casts:
+            kept = self._names_kept = (casts, tuple(name for name, _ in casts))
+        return kept[1]
+
+    def _gather_inputs(self, mesh, outer_size, param_dtype, slots) -> tuple:
+        """FSDP2's all-gather inputs and metadata of the casts ``slots`` (see the module docstring),
+        from the payloads ``precompute_scales`` keeps where they are current, else cast here.
+        Remembered for the next all-gather of the same slots when made from kept payloads only."""
         n, k, casts, sizes = self._gather_plan(mesh, outer_size, tuple(self._tensor.shape),
                                                "convert with fsdp_fp8_all_gather=False")
         _AfterStep.register()
         # Exactly the cast FSDP2's default path applies before its all-gather.
-        param_dtype = mp_policy.param_dtype or self._tensor.dtype
         if self._param_dtype != param_dtype:
             self._scales.clear()  # kept scales and payloads were made from another param dtype
         self._param_dtype = param_dtype
         # FSDP2 splits the rows over its mesh; under 2D (FSDP x TP) the tensor it shards is itself
         # a TP shard, whose amax must be reduced over the TP mesh as well.
         sharding = self._hook_sharding(mesh)
-        slots = self._slots(module, [name for name, _ in casts])
         inputs, entries, shard = [], [], []  # shard: the tensor in the param dtype, made when first needed
         for name, spec in casts:
             q = self._cast_shard(name, shard, param_dtype, spec, sharding, data=name in slots)
             add_all_gather_input(inputs, entries, name, q, slots, sizes, mesh, param_dtype)
         entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
         out = tuple(inputs), (entries, tuple(slots), n)
-        notify_all_gather(self, module, out[0], mp_policy)
-        entry = self._kept_payload() if len(casts) == 1 else None
-        if (entry is not None and mesh.size() > 1
-                and len(inputs) == 1 and inputs[0] is not None and entries[0][1] == 0
-                and inputs[0].shape == entry[2].shape):
-            # One cast, precomputed, no padding: every later all-gather sends the payload and scale
-            # precompute_scales keeps then, in the same places (_kept_inputs), without this work.
-            self._inputs_kept = ((mesh, param_dtype, tuple(outer_size)), casts[0][0], 0, entries[0][3],
-                                 tuple(slots), n, entry[2].shape)
+        gathers = self.__dict__.setdefault("_gathers_kept", {})
+        if len(set(sizes)) == 1:  # even row shards: no padding, no collective of the hook's own
+            now = self._current_payloads()
+            gathers[slots] = _KeptGather(mesh, param_dtype, tuple(outer_size), tuple(self._tensor.shape),
+                                         _layout(entries), len(inputs), n, now, None if now is None else out)
+        else:
+            gathers.pop(slots, None)
         return out
 
-    def _kept_payload(self):
-        """The (version, scale, payload) ``precompute_scales`` kept for the weight's one cast, if
-        still current; else None."""
-        kept = self._scales.get(self._weight_casts()[0][0])
-        return kept if kept is not None and len(kept) == 3 and kept[0] == self.weight_version() else None
+    def _current_payloads(self) -> tuple | None:
+        """``(name, entry)`` of every cast whose ``_scales`` entry holds a payload
+        (``precompute_scales``') made at the current weight version; None unless all do."""
+        version, scales, out = self.weight_version(), self._scales, []
+        for name in self._cast_names():
+            e = scales.get(name)
+            if e is None or len(e) != 3 or e[0] != version:
+                return None
+            out.append((name, e))
+        return tuple(out)
 
-    def _keep_payload(self, scale: torch.Tensor, data: torch.Tensor) -> None:
-        """Keeps the one cast's scale and payload for the current weight version."""
-        self._scales[self._weight_casts()[0][0]] = (self.weight_version(), scale, data)
-
-    def _kept_inputs(self, kept):
-        """The all-gather inputs and metadata of the one precomputed cast, built as this hook built
-        them last time (``kept``: where its payload and scale go), for the payload and scale
-        ``precompute_scales`` keeps now. None where there is none (or its shape changed): build
-        them anew. ``kept`` holds no tensor, so no payload outlives its step."""
-        _, name, slot, meta, slots, n, shape = kept
-        now = self._kept_payload()
-        if now is None or now[2].shape != shape:
+    def _kept_gather(self, mesh, param_dtype, outer_size, slots) -> tuple | None:
+        """The all-gather inputs and metadata of ``slots`` made from the payloads ``precompute_scales``
+        keeps, where every cast has a current one and an earlier all-gather of these slots, in
+        the same place, found even row shards; else None (the hook casts what it must). Built
+        by ``precompute_scales`` once per weight version (``_kept_gathers``), so the hook only
+        checks that they are current: no cast, no collective, no new tensor (FSDP2 copies the
+        inputs into its own buffer)."""
+        gathers = self.__dict__.get("_gathers_kept")
+        kept = None if gathers is None else gathers.get(slots)
+        if (kept is None or kept.mesh is not mesh or kept.param_dtype != param_dtype
+                or kept.outer_size != outer_size or kept.local_shape != self._tensor.shape):
             return None
-        return (now[2].view(torch.uint8),), (((name, slot, now[1], meta),), slots, n)
+        if kept.entries is not None:
+            version, scales = self.weight_version(), self._scales
+            if all(scales.get(name) is e and e[0] == version for name, e in kept.entries):
+                return kept.out
+        now = self._current_payloads()
+        if now is None:
+            return None
+        kept = gathers[slots] = kept._replace(entries=now, out=_kept_inputs(kept, now, slots))
+        return kept.out
+
+    def _kept_gathers(self) -> None:
+        """Builds the all-gather inputs and metadata of every layout this weight was gathered in
+        from the payloads kept now (called where they are made, after the optimizer step)."""
+        gathers, now = self.__dict__.get("_gathers_kept"), self._current_payloads()
+        if gathers and now is not None:
+            self._gathers_kept = {slots: g._replace(entries=now, out=_kept_inputs(g, now, slots))
+                                  for slots, g in gathers.items()}
+
+    def _payloads_kept(self) -> bool:
+        """Whether ``precompute_scales`` kept a current payload of every cast."""
+        return self._current_payloads() is not None
+
+    def _drop_stale(self) -> None:
+        """Forgets the scales and payloads made at another weight version (before new ones are
+        made: a step's payloads never live beside the next step's), and the all-gather inputs
+        made from them (their layout stays)."""
+        version = self.weight_version()
+        self._scales = {name: e for name, e in self._scales.items() if e[0] == version}
+        gathers = self.__dict__.get("_gathers_kept")
+        if gathers:
+            self._gathers_kept = {s: g._replace(entries=None, out=None) for s, g in gathers.items()}
+
+    def _keep_cast(self, name: str, scale: torch.Tensor, data: torch.Tensor) -> None:
+        """Keeps cast ``name``'s scale and payload for the current weight version."""
+        self._scales[name] = (self.weight_version(), scale, data)
+
+    def _keep_casts(self) -> None:
+        """Casts every cast of the shard that has no current payload yet, exactly as the hook
+        would (``_cast_shard``: a kept scale, e.g. a reduced one, is used; a cast whose groups lie
+        within the shard makes its own), and keeps each payload for the all-gathers."""
+        sharding, made = self.__dict__["_sharding_kept"][2], []
+        version = self.weight_version()
+        for name, spec in self._weight_casts():
+            kept = self._scales.get(name)
+            if kept is not None and len(kept) == 3 and kept[0] == version:
+                continue
+            q = self._cast_shard(name, made, self._param_dtype, spec, sharding, data=True)
+            self._keep_cast(name, q.scale, q.data)
+        self._kept_gathers()
 
     def _cast_shard(self, name, made: list, param_dtype, spec, sharding, *, data: bool) -> "Fp8Tensor | _ScaleOnly":
         """Cast ``name`` of this shard in ``param_dtype`` (``data``: its payload travels now; else
@@ -451,6 +553,56 @@ def _unwrapped(cls, args, found: list):
             a = _unwrapped(cls, a, found)
         out.append(a)
     return type(args)(out) if type(args) in (list, tuple) else tuple(out)
+
+
+class _KeptGather(NamedTuple):
+    """A weight's all-gather of some slots on even row shards: where it ran (FSDP2's mesh, the
+    param dtype, the unsharded and the local size), its layout (``_layout``: the metadata's
+    entries without their tensors; how many inputs; rows), and, once made from the payloads
+    ``precompute_scales`` keeps, the ``_scales`` entries it read (``(name, (version, scale,
+    payload))`` per cast) and the inputs and metadata made from them; None for both until then,
+    and again once the weight changes."""
+
+    mesh: object
+    param_dtype: torch.dtype
+    outer_size: tuple
+    local_shape: tuple
+    layout: tuple
+    n_inputs: int
+    n: int
+    entries: tuple | None
+    out: tuple | None
+
+
+_LOCAL = "local"  # _layout's mark of a payload kept out of the all-gather (_LocalPayload)
+
+
+def _layout(entries: tuple) -> tuple:
+    """The metadata entries of an all-gather (``finish_all_gather_inputs``') without their tensors:
+    per cast its name, where its payload is (an input's index; ``_LOCAL``), where its scale is
+    (a ``_GatheredScale``; None: in the metadata) and its ``Fp8Meta``."""
+    return tuple((name, _LOCAL if isinstance(slot, _LocalPayload) else slot,
+                  scale if isinstance(scale, _GatheredScale) else None, meta)
+                 for name, slot, scale, meta in entries)
+
+
+def _kept_inputs(kept: _KeptGather, now: tuple, slots: tuple) -> tuple:
+    """The all-gather inputs and metadata of layout ``kept`` for the kept casts ``now`` (``(name,
+    (version, scale, payload))`` each): the same tensors, in the same places, as
+    ``add_all_gather_input`` and ``finish_all_gather_inputs`` put them for those casts."""
+    inputs: list = [None] * kept.n_inputs
+    entries = []
+    for (name, slot, scale, meta), (_, (_, s, data)) in zip(kept.layout, now):
+        if slot is _LOCAL:
+            slot = _LocalPayload(data.view(torch.uint8))
+        elif name in slots:
+            inputs[slot] = data.view(torch.uint8)
+        if scale is None:
+            scale = s
+        else:
+            inputs[scale.slot] = s.contiguous().view(torch.uint8)
+        entries.append((name, slot, scale, meta))
+    return tuple(inputs), (tuple(entries), slots, kept.n)
 
 
 class _ScaleOnly(NamedTuple):
@@ -532,16 +684,27 @@ def finish_all_gather_inputs(inputs: list, entries: list) -> tuple:
     return tuple(out)
 
 
-def _gathered_payload(outputs, slot):
-    """The unsharded uint8 payload of an entry: its all-gather output, or the one kept local."""
-    return slot.data if isinstance(slot, _LocalPayload) else outputs[slot]
+def _gathered_payload(outputs, views: _OutputViews, slot, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The unsharded payload of an entry (its first ``n`` rows, as ``dtype``): its all-gather
+    output, or the one kept local."""
+    if isinstance(slot, _LocalPayload):
+        return slot.data[:n].view(dtype)
+    key = (slot, outputs[slot].shape, n, dtype)
+    view = views.views.get(key)
+    if view is None:
+        view = views.views[key] = outputs[slot][:n].view(dtype)
+    return view
 
 
-def _gathered_scale(outputs, scale):
+def _gathered_scale(outputs, views: _OutputViews, scale):
     """The unsharded scale of an entry: the metadata's, or the row-split one gathered with the payload."""
     if not isinstance(scale, _GatheredScale):
         return scale
-    return outputs[scale.slot].view(torch.float32)
+    key = (scale.slot, outputs[scale.slot].shape, None, torch.float32)
+    view = views.views.get(key)
+    if view is None:
+        view = views.views[key] = outputs[scale.slot].view(torch.float32)
+    return view
 
 
 def _check_block_alignment(casts, n: int, k: int, sizes: list[int], world: int) -> None:
@@ -569,31 +732,33 @@ def _fsdp_pass(weight, module) -> tuple[str, bool]:
 
 @torch.no_grad()
 def precompute_scales(model: torch.nn.Module) -> int:
-    """Computes every tensorwise FSDP2 fp8 weight scale with one all-reduce (call after ``optimizer.step()``),
-    and casts each weight's shard with it.
+    """Casts every FSDP2 fp8 all-gather weight's shard for the next all-gathers (call after
+    ``optimizer.step()``), with the scales that span ranks reduced in one all-reduce for all weights.
 
-    Same numbers as the per-weight reduction in ``fsdp_pre_all_gather`` (MAX is exact), in one
-    collective instead of one per weight. The fp8 shard is kept for the step's all-gathers (the
-    forward's and, under ``reshard_after_forward``, the backward's): their hooks launch nothing,
-    and the cast runs here, after the optimizer, where the host is ahead of the GPU, instead of
-    inside FSDP2's unshard, where the GPU waits for it. It costs one byte per parameter of the
-    shard, held from here to the next step's update. A precomputed scale and payload are used
-    only while the weight is unchanged since (its version counter says so); a stale one is never
-    used. Returns the number of weights it covered.
-
-    Other casts whose scale groups span ranks (a row-wise weight's column scales) get their scales
-    here too, one all-reduce per kind of reduction for all weights (their payloads are cast in the
-    hooks, which then reduce nothing).
+    Same numbers as the hooks' own casts in ``fsdp_pre_all_gather`` (MAX is exact), with one
+    collective instead of one per weight. The casts are kept for the step's all-gathers (the
+    forward's and, under ``reshard_after_forward``, the backward's): their hooks launch nothing
+    and reduce nothing, and the casts run here, after the optimizer, where the host is ahead of
+    the GPU, instead of inside FSDP2's unshard, where the GPU waits for them. Tensorwise weights:
+    one scale per weight, all in one all-reduce, the shards cast in one kernel launch (one byte
+    per parameter of the shard kept). Row-wise weights: ``w`` with row scales (within the shard:
+    no collective) and ``w_t`` with column scales (each column spans the row shards: all columns
+    of all weights in one all-reduce), both kept (two bytes per parameter of the shard). Block
+    weights: their one cast (blocks lie within the shard). The casts are kept from here to the
+    next update of the weight; a kept cast is used only while the weight is unchanged since (its
+    version counter says so), a stale one never. Returns the number of weights it covered.
 
     Every ``torch.optim`` optimizer does this by itself after each ``step()`` for the weights it
-    holds (``precompute_after_optimizer_step``); call it yourself after updating weights another way.
+    holds (``precompute_after_optimizer_step``); call it yourself after updating weights another
+    way (after the optimizer's own, a call is free: the kept casts are current, nothing runs).
     """
     return _precompute(model.parameters())
 
 
+@torch.no_grad()
 def _precompute(params) -> int:
-    groups: dict = {}
-    others: list = []  # weights whose other casts' scales are reduced over ranks (row-wise: w_t's columns)
+    groups: dict = {}  # mesh -> the weights with one tensorwise cast
+    others: list = []  # the rest: row-wise (two casts), blocks
     for p in params:
         local = local_tensor(p)
         if not (isinstance(local, Fp8AllGatherWeight) and isinstance(p, DTensor)):
@@ -604,15 +769,15 @@ def _precompute(params) -> int:
             others.append(local)
             continue
         groups.setdefault(p.device_mesh, []).append(local)
-    covered = _precompute_reduced_scales(others)
+    covered = _precompute_casts(others)
     for mesh, weights in groups.items():
         covered += len(weights)
-        if all(w._kept_payload() is not None for w in weights):
+        if all(w._payloads_kept() for w in weights):
             # Cast since their last update already (this step's optimizer hook did it): nothing to do.
             # Versions move alike on every rank (the same updates), so every rank skips this all-reduce.
             continue
         for w in weights:  # last step's payloads: dropped before the new ones are made (one byte per element)
-            w._scales.pop(w._weight_casts()[0][0], None)
+            w._drop_stale()
         amax = shard_amaxes([w._tensor for w in weights], [w._param_dtype for w in weights])
         amax = _reduce_max_eager(amax, mesh, tuple(range(mesh.ndim)))
         kinds: dict = {}  # one scale computation per (fp8 dtype, power of 2) over all its weights
@@ -627,42 +792,81 @@ def _precompute(params) -> int:
     return covered
 
 
-def _precompute_reduced_scales(weights: list) -> int:
+def _precompute_casts(weights: list) -> int:
+    """Every cast of ``weights`` (those that are not one tensorwise cast: row-wise ``w`` and
+    ``w_t``, blocks), cast and kept for the hooks as they would cast it themselves
+    (``_keep_casts``), bitwise; the scales whose groups span ranks (row-wise ``w_t``'s columns)
+    first, for every weight in one all-reduce per kind of reduction (``_reduce_scales``).
+    Weights whose kept casts are current are skipped (every rank alike: versions move alike).
+    Returns the number of weights covered (those gathered under FSDP2 once: their sharding is
+    known)."""
+    ready = [w for w in weights if "_sharding_kept" in w.__dict__]  # else its hook casts itself
+    stale = [w for w in ready if not w._payloads_kept()]
+    for w in stale:  # last step's casts: dropped before the new ones are made
+        w._drop_stale()
+    _reduce_scales(stale)
+    for w in stale:
+        w._keep_casts()
+    return len(ready)
+
+
+def _reduce_scales(weights: list) -> None:
     """The scales of the casts that the pre-all-gather hooks would reduce over ranks (a row-wise
-    weight's ``w_t``: each column spans FSDP2's row shards), for every weight in one all-reduce
-    per kind of reduction instead of one per weight in its hook; kept for the hooks while the
-    weight is unchanged. The same bits: MAX is exact, and the amax of the fp32 master rounded to
-    the param dtype is the amax of the rounded shard (rounding is monotonic). Returns the number
-    of weights with such a cast."""
+    weight's ``w_t``: each column spans FSDP2's row shards; under TP a row-parallel weight's
+    rows too), for every weight in one all-reduce per kind of reduction instead of one per weight
+    in its hook; kept (``_scales``) for ``_keep_casts`` and the hooks while the weight is
+    unchanged. The same bits: MAX is exact, and the amax of the fp32 master rounded to the param
+    dtype is the amax of the rounded shard (rounding is monotonic)."""
     pending: dict = {}  # the reductions (mesh, mesh dims) in order -> [(weight, cast name, spec, amax)]
-    covered = set()
     for w in weights:
-        kept = w.__dict__.get("_sharding_kept")
-        if kept is None:  # its hook has not run under FSDP2 yet: it reduces itself
-            continue
-        sharding, version, shape = kept[2], w.weight_version(), tuple(w._tensor.shape)
+        sharding, version, shape = w.__dict__["_sharding_kept"][2], w.weight_version(), tuple(w._tensor.shape)
         for name, spec in w._weight_casts():
             reductions = tuple((sh.mesh, dims) for sh in sharding
                                if (dims := tuple(d for d in sh.amax_mesh_dims(spec.granularity, shape)
                                                  if sh.mesh.size(d) > 1)))
-            if not reductions:
-                continue
-            covered.add(id(w))
             current = w._scales.get(name)
-            if current is not None and current[0] == version:
+            if not reductions or (current is not None and current[0] == version):
                 continue
-            amax = amax_for_cast(w._tensor, spec.granularity)
-            if w._tensor.dtype != w._param_dtype:
-                amax = amax.to(w._param_dtype).float()
-            pending.setdefault(reductions, []).append((w, name, spec, amax))
+            pending.setdefault(reductions, []).append((w, name, spec, amax_for_cast(w._tensor, spec.granularity)))
     for reductions, entries in pending.items():
-        flat = torch.cat([amax.reshape(-1) for *_, amax in entries])
+        flat, offsets = _padded_amaxes(entries)
         for mesh, dims in reductions:
             flat = _reduce_max_eager(flat, mesh, dims)
-        for (w, name, spec, amax), reduced in zip(entries, flat.split([a.numel() for *_, a in entries])):
-            w._scales[name] = (w.weight_version(), compute_scale(reduced.reshape(amax.shape), spec.dtype,
-                                                                 spec.pow2_scales))
-    return len(covered)
+        scales = _scales_of(flat, entries, offsets)
+        for (w, name, _, amax), scale in zip(entries, scales):
+            w._scales[name] = (w.weight_version(), scale.view(amax.shape))
+
+
+def _padded_amaxes(entries: list) -> tuple[torch.Tensor, list[int]]:
+    """The amaxes of ``entries`` in one float32 vector, each rounded to its weight's param dtype
+    (what the hook's shard holds) and starting at a multiple of 4 elements (so each scale made
+    from it is 16-byte aligned, as cuBLASLt wants its scale pointers); with each one's offset.
+    One rounding and one copy for all (not one per weight) where the param dtypes agree."""
+    rounds = [w._param_dtype if w._tensor.dtype != w._param_dtype else None for w, *_ in entries]
+    once = len(set(rounds)) == 1
+    pad = entries[0][3].new_zeros(3, dtype=torch.float32)
+    parts, offsets, at = [], [], 0
+    for (_, _, _, amax), r in zip(entries, rounds):
+        a = amax.reshape(-1).float() if once or r is None else amax.reshape(-1).to(r).float()
+        parts.append(a)
+        offsets.append(at)
+        at += a.numel()
+        if at % 4:
+            parts.append(pad[:4 - at % 4])
+            at += 4 - at % 4
+    flat = torch.cat(parts)
+    return (flat.to(rounds[0]).float() if once and rounds[0] is not None else flat), offsets
+
+
+def _scales_of(flat: torch.Tensor, entries: list, offsets: list[int]) -> list[torch.Tensor]:
+    """Each entry's scales (flat), from its amaxes at its offset in ``flat``: one ``compute_scale``
+    for all where the casts agree on fp8 dtype and power-of-two scales (it is elementwise), else one each."""
+    kinds = {(spec.dtype, spec.pow2_scales) for _, _, spec, _ in entries}
+    if len(kinds) == 1:
+        scales = compute_scale(flat, *kinds.pop())
+        return [scales[o:o + a.numel()] for o, (*_, a) in zip(offsets, entries)]
+    return [compute_scale(flat[o:o + a.numel()], spec.dtype, spec.pow2_scales)
+            for o, (_, _, spec, a) in zip(offsets, entries)]
 
 
 def _reduce_max_eager(t: torch.Tensor, mesh, mesh_dims: tuple[int, ...]) -> torch.Tensor:
@@ -691,14 +895,17 @@ def _cast_kept(weights: list, scales: torch.Tensor) -> None:
                 and round_to in (None, torch.bfloat16) and (round_to is None or t.dtype == torch.float32)):
             groups.setdefault((t.dtype, t.device, spec, round_to), []).append(i)
         else:
-            w._keep_payload(one[i], cast_with_scale(t, one[i], spec, round_to=w._param_dtype).data)
+            data = cast_with_scale(t, one[i], spec, round_to=w._param_dtype).data
+            w._keep_cast(w._weight_casts()[0][0], one[i], data)
     for (_, _, spec, round_to), rows in groups.items():
         from .. import kernels as kernel_ops
 
         picked = scales if len(rows) == len(weights) else torch.stack([scales[i] for i in rows])
         datas = kernel_ops.cast_many([weights[i]._tensor for i in rows], picked, spec, round_to=round_to)
         for i, data in zip(rows, datas):
-            weights[i]._keep_payload(one[i], data)
+            weights[i]._keep_cast(weights[i]._weight_casts()[0][0], one[i], data)
+    for w in weights:
+        w._kept_gathers()
 
 
 class _AfterStep:
