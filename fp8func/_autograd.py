@@ -68,11 +68,6 @@ class _Layout:
         casts read from x itself."""
         return 2 * (len(self.w_given) + (0 if self.x_inside else len(self.x_given)))
 
-    @property
-    def n_state(self) -> int:
-        """How many tensor inputs the delayed-scaling state takes: six, one packed, or none."""
-        return 0 if not self.delayed else 1 if self.packed_state else 6
-
 
 class _Inputs(NamedTuple):
     """The op's variadic tensor inputs, read with its ``_Layout``."""
