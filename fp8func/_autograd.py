@@ -17,66 +17,29 @@ Delayed scaling follows flax's "overwrite with gradient": the three casts' state
 inputs and the next step's states come back as their *gradients*; the op also returns the states
 (as new tensors) to thread into a later use of the same state in the step, whose amaxes merge
 by max into one history entry (``fp8func._delayed.record_merged``).
+
+The op's variadic tensor inputs and what its backward keeps of each operand are named in
+``fp8func._operands``; its delayed-scaling state is read, passed on and updated by ``fp8func._delayed``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum
 from typing import NamedTuple
 
 import torch
 
-from ._casts import activation_casts, cast, cast_grad_output, cast_operand, forward_transposes, given_leaves
-from ._delayed import (
-    LinearScalingState,
-    check_linear_state,
-    global_amax,
-    linear_states,
-    next_linear_states,
-    packed_history_len,
-    unpack_state,
-)
+from ._casts import activation_casts, cast_grad_output, cast_operand, forward_transposes, given_leaves
+from ._delayed import LinearScalingState, linear_states, next_linear_states, pack_state, state_inputs, unpack_state
 from ._gathered import casts_only, gathered_casts
 from ._gemm import gemm
-from ._hooks import full_tensor, read_given
-from ._plan import LinearPlan, operand, plan, transposed, untileable
-from ._qtensor import Fp8Meta, Fp8Tensor
-from ._scaling import CastSpec, Recipe
+from ._hooks import full_tensor
+from ._operands import Kept, Layout, keep, operand_for_backward, read_inputs
+from ._plan import LinearPlan, operand, plan, untileable
+from ._qtensor import Fp8Tensor
+from ._scaling import Recipe
 from ._sharding import Sharding
 
 __all__ = ["linear", "linear_delayed", "fp8_linear"]
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Static description of the op's tensor inputs after (x, weight, bias), in order: each given
-    weight cast's (data, scale), each given input cast's, then the delayed-scaling state: six
-    tensors, or one packed (``packed_state``)."""
-
-    w_given: tuple[str, ...] = ()
-    x_given: tuple[str, ...] = ()
-    delayed: bool = False
-    packed_state: int = 0  # delayed: L where the state is one packed [3 * (L + 1)] tensor, 0 for six tensors
-    transposes: tuple[bool, bool] = (False, False)  # the forward writes x's / w's transposed fp8 copy
-    sharding: Sharding | None = None  # delayed: how x's and dy's rows are split over ranks
-    x_inside: bool = False  # x exists only as its casts (x_given), read from x itself inside the op
-
-    @property
-    def n_given(self) -> int:
-        """How many tensor inputs the given casts take: a (data, scale) pair each, none for x's
-        casts read from x itself."""
-        return 2 * (len(self.w_given) + (0 if self.x_inside else len(self.x_given)))
-
-
-class _Inputs(NamedTuple):
-    """The op's variadic tensor inputs, read with its ``_Layout``."""
-
-    w_given: dict[str, tuple]  # the weight's casts made elsewhere: name -> (data, scale)
-    x_given: dict[str, tuple]  # the input's
-    states: LinearScalingState | None  # delayed: the states of x, w and dy
-    state_inputs: tuple  # delayed: the state's tensor inputs (six, or one packed)
-    x_spec: CastSpec | None = None  # the spec of the "x" cast read from x itself (x_inside), else None
 
 
 class _Outputs(NamedTuple):
@@ -100,19 +63,9 @@ class _Outputs(NamedTuple):
         return tuple(t for t in self if t is not None)
 
 
-class _Kept(Enum):
-    """What the backward keeps of an operand (x or w) for its backward GEMM: two tensors each."""
-
-    CAST = "cast"  # the forward's cast (data, scale), reused: its groups are the same seen transposed
-    CAST_T = "cast_t"  # the transposed copy the forward wrote (or was given) with the forward's cast
-    GIVEN = "given"  # the transposed-GEMM cast made elsewhere (w_t / x_t)
-    HP = "hp"  # the tensor itself, cast in the backward or used in high precision
-    MISSING = "missing"  # nothing the backward can use (None, None)
-
-
 class _Saved(NamedTuple):
     """What the backward reads, saved flat (``flat`` / ``of``): what it keeps of x and of w (see
-    ``_Kept``); with delayed scaling, the x and w amaxes recorded and the state's tensor inputs."""
+    ``Kept``); with delayed scaling, the x and w amaxes recorded and the state's tensor inputs."""
 
     x: tuple
     w: tuple
@@ -128,31 +81,13 @@ class _Saved(NamedTuple):
         return _Saved(tuple(flat[0:2]), tuple(flat[2:4]), flat[4], flat[5], tuple(flat[6:]))
 
 
-def _read_inputs(layout: _Layout, x, leaves) -> _Inputs:
-    it = iter(leaves)
-    w = {name: (next(it), next(it)) for name in layout.w_given}
-    x_spec = None
-    if layout.x_inside:
-        # A casts-only input made inside a compiled region (a sequence gather): dynamo cannot read
-        # its casts, AOTAutograd, tracing this op, can. They carry their spec: a gather with one
-        # scale per rank's chunk of tokens groups the rows by chunk, not as the plan's cast does.
-        casts = gathered_casts(x)
-        x = {name: (casts[name].data, casts[name].scale) for name in layout.x_given}
-        x_spec = casts["x"].spec if "x" in casts else None
-    else:
-        x = {name: (next(it), next(it)) for name in layout.x_given}
-    state_inputs = tuple(it)
-    states = linear_states(state_inputs, layout.packed_state) if layout.delayed else None
-    return _Inputs(w, x, states, state_inputs, x_spec)
-
-
 class _LinearFn(torch.autograd.Function):
-    """The FP8 linear: inputs ``(x, weight, bias, plan, layout, *leaves)`` (``_Inputs``), outputs
-    ``_Outputs``, saved tensors ``_Saved``."""
+    """The FP8 linear: inputs ``(x, weight, bias, plan, layout, *leaves)`` (``Layout``, read by
+    ``read_inputs``), outputs ``_Outputs``, saved tensors ``_Saved``."""
 
     @staticmethod
-    def forward(x, weight, bias, p: LinearPlan, layout: _Layout, *leaves):
-        gw, gx, states, _, x_spec = _read_inputs(layout, x, leaves)
+    def forward(x, weight, bias, p: LinearPlan, layout: Layout, *leaves):
+        gw, gx, states, state_in, x_spec = read_inputs(layout, x, leaves)
         xs, ws = operand(p, "x"), operand(p, "w")
         tx, tw = layout.transposes
         x2 = x if gx else x.reshape(-1, x.shape[-1])  # given casts: x only routes the gradient
@@ -166,10 +101,7 @@ class _LinearFn(torch.autograd.Function):
         out = _Outputs(y.reshape(*x.shape[:-1], weight.shape[0]), qx.data, qx.scale, qw.data, qw.scale)
         if states is None:
             return out.flat()
-        # full tensors: a replicated distributed state (TP) would make the passed-on state a DTensor
-        # output, whose tangent torch.compile expects as a DTensor even when no later use gives it one
-        passed = (leaves[-1].clone() if layout.packed_state else
-                  torch.cat([full_tensor(t).reshape(-1) for st in states for t in st]))
+        passed = pack_state(state_in, layout.packed_state)
         # the amaxes as outputs of their own (saved for the backward): no kernel to put them together
         w_amax = qx.scale.new_zeros(1) if w_amax is None else w_amax
         return out._replace(state=passed, x_amax=full_tensor(x_amax), w_amax=full_tensor(w_amax)).flat()
@@ -177,18 +109,18 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, p, layout, *leaves = inputs
-        given = _read_inputs(layout, x, leaves)
+        given = read_inputs(layout, x, leaves)
         out = _Outputs(*output)
         recorded = () if out.state is None else (out.x_amax, out.w_amax)
         ctx.mark_non_differentiable(out.x_data, out.x_scale, out.w_data, out.w_scale, *recorded)
         ctx.plan, ctx.layout = p, layout
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        x_kind, x_kept = _saved(operand(p, "x"), p.grad_weight.hp, given.x_given, "x", layout.transposes[0],
-                                (out.x_data, out.x_scale), x)
-        w_kind, w_kept = _saved(operand(p, "w"), p.grad_input.hp, given.w_given, "w", layout.transposes[1],
-                                (out.w_data, out.w_scale), weight)
-        if x_kind is _Kept.MISSING:
+        x_kind, x_kept = keep(operand(p, "x"), p.grad_weight.hp, given.x_given, "x", layout.transposes[0],
+                              (out.x_data, out.x_scale), x)
+        w_kind, w_kept = keep(operand(p, "w"), p.grad_input.hp, given.w_given, "w", layout.transposes[1],
+                              (out.w_data, out.w_scale), weight)
+        if x_kind is Kept.MISSING:
             raise ValueError(f"linear: plan {p.name!r} needs the input itself or its 'x_t' cast in the backward.")
         ctx.x_kind, ctx.w_kind, ctx.x_spec = x_kind, w_kind, given.x_spec
         ctx.save_for_backward(*_Saved(x_kept, w_kept, out.x_amax, out.w_amax, given.state_inputs).flat())
@@ -196,7 +128,7 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         p: LinearPlan = ctx.plan
-        layout: _Layout = ctx.layout
+        layout: Layout = ctx.layout
         saved, g = _Saved.of(ctx.saved_tensors), _Outputs(*grads)
         states = linear_states(saved.state, layout.packed_state) if layout.delayed else None
         dy2, dy_given = _grad_output(g.y, ctx)
@@ -209,7 +141,7 @@ class _LinearFn(torch.autograd.Function):
             if p.grad_input.hp:
                 dx = (dy2.to(ctx.x_dtype) @ saved.w[0].to(ctx.x_dtype)).reshape(ctx.x_shape)
             else:
-                b = _operand_for_backward(ctx.w_kind, saved.w, operand(p, "w"), ctx.w_dtype, qdy)  # [N, K] along N
+                b = operand_for_backward(ctx.w_kind, saved.w, operand(p, "w"), ctx.w_dtype, qdy)  # [N, K] along N
                 dx = gemm(qdy, b, out_dtype=ctx.x_dtype, path=p.grad_input.path,
                           fast_accum=p.grad_input.fast_accum).reshape(ctx.x_shape)
         if need_dw:
@@ -217,8 +149,8 @@ class _LinearFn(torch.autograd.Function):
                 x2 = saved.x[0].reshape(-1, saved.x[0].shape[-1])
                 dw = dy2.t().to(x2.dtype) @ x2
             else:
-                b = _operand_for_backward(ctx.x_kind, saved.x, operand(p, "x"), ctx.x_dtype, None,
-                                          ctx.x_spec)  # [M, K] along M
+                b = operand_for_backward(ctx.x_kind, saved.x, operand(p, "x"), ctx.x_dtype, None,
+                                         ctx.x_spec)  # [M, K] along M
                 dw = gemm(qdy_t, b, out_dtype=ctx.w_dtype, path=p.grad_weight.path, fast_accum=p.grad_weight.fast_accum)
             dw = dw.to(ctx.w_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
@@ -227,7 +159,10 @@ class _LinearFn(torch.autograd.Function):
                                  "use the stock RowwiseParallel for layers with a bias.")
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         given = (None,) * layout.n_given
-        nexts = () if states is None else _next_states(p, layout, saved, g.state, dy_amax)
+        nexts = () if states is None else next_linear_states(
+            saved.state, layout.packed_state, g.state,
+            (saved.x_amax, saved.w_amax if p.delayed.weight else None, dy_amax),
+            tuple(operand(p, role).first for role in ("x", "w", "dy")), p.delayed.algo, layout.sharding)
         return (dx, dw, db, None, None, *given, *nexts)
 
     @staticmethod
@@ -250,57 +185,12 @@ class _LinearFn(torch.autograd.Function):
         return stacked, (0,) * len(stacked)
 
 
-def _saved(casts, hp: bool, given: dict, name: str, wrote_t: bool, payload: tuple, hp_tensor) -> tuple[_Kept, tuple]:
-    """What the backward keeps of one operand: (kind, two tensors)."""
-    if hp:
-        return (_Kept.HP, (hp_tensor, hp_tensor)) if not given else (_Kept.MISSING, (None, None))
-    if given:
-        if name + ".T" in given:  # the transposed copy made with the given cast (input_casts)
-            return _Kept.CAST_T, given[name + ".T"]
-        if casts.reuses:
-            return _Kept.CAST, payload
-        t_name = name + "_t"
-        return (_Kept.GIVEN, given[t_name]) if t_name in given else (_Kept.MISSING, (None, None))
-    if wrote_t:
-        return _Kept.CAST_T, payload
-    if casts.reuses:
-        return _Kept.CAST, payload
-    return _Kept.HP, (hp_tensor, hp_tensor)
-
-
-def _operand_for_backward(kind: _Kept, saved: tuple, casts, dtype, qdy, given_spec: CastSpec | None = None
-                          ) -> Fp8Tensor:
-    """The backward GEMM's ``b`` from what the forward kept: ``[N, K]`` along N for w (grad_input),
-    ``[M, K]`` along M for x (grad_weight). ``given_spec``: the spec of the forward's cast where
-    the operand came with its own (read from the input itself)."""
-    a, b = saved
-    if kind is _Kept.CAST:
-        return Fp8Tensor(a, b, Fp8Meta(given_spec or casts.first, dtype, None))
-    if kind is _Kept.CAST_T:  # a row-major [K, *] copy: its transpose is column-major, as scaled_mm's b
-        return Fp8Tensor(a, b, Fp8Meta(casts.first, dtype, None)).t()
-    spec = transposed(casts.second)  # the second cast, written on the operand's own layout
-    if kind is _Kept.GIVEN:  # read as the layer that made it asks (fp8func._hooks.read_given)
-        return Fp8Tensor(read_given(a, qdy.scale) if qdy is not None else a, b, Fp8Meta(spec, dtype, None))
-    t = a.reshape(-1, a.shape[-1])
-    return cast(t.t(), casts.second)[0].t()  # cast along the other axis: quantize t.T, view it back
-
-
 def _grad_output(dy, ctx) -> tuple[torch.Tensor, dict | None]:
     """(dy as [M, N], its casts when it arrives gathered in FP8 by a sequence-parallel layer)."""
     dy_given = gathered_casts(dy)
     if dy_given is not None and ctx.layout.delayed:
         raise ValueError("fp8func: delayed scaling casts the grad_output itself; use the stock TP styles.")
     return (dy.reshape(-1, dy.shape[-1]) if dy_given is None else dy), dy_given
-
-
-def _next_states(p: LinearPlan, layout: _Layout, saved: _Saved, passed_grad, dy_amax) -> tuple:
-    """The gradients of the state inputs (``next_linear_states``): x's and dy's amaxes reduced
-    over the layout's row split, w's when the plan records it."""
-    sharding = layout.sharding
-    recorded = (global_amax(saved.x_amax, sharding), global_amax(saved.w_amax) if p.delayed.weight else None,
-                None if dy_amax is None else global_amax(dy_amax, sharding))
-    specs = (operand(p, "x").first, operand(p, "w").first, operand(p, "dy").first)
-    return next_linear_states(saved.state, layout.packed_state, passed_grad, recorded, specs, p.delayed.algo)
 
 
 torch._dynamo.allow_in_graph(_LinearFn)
@@ -352,16 +242,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     x_names, x_leaves = given_leaves(x_casts, "input", p)
     if x_inside:
         x_names = tuple(name for name, _ in activation_casts(p))
-    states, packed_len = (), 0
-    if isinstance(state, torch.Tensor):
-        packed_len = packed_history_len(state, x, weight)
-        states = (state,)
-    elif state is not None:
-        check_linear_state(state, x, weight)
-        states = tuple(t for st in state for t in st)
-    layout = _Layout(w_names, x_names, state is not None, packed_len,
-                     forward_transposes(x, weight, p, bool(x_names), bool(w_names)),
-                     amax_sharding if state is not None else None, x_inside)
+    states, packed_len = ((), 0) if state is None else state_inputs(state, x, weight)
+    layout = Layout(w_names, x_names, state is not None, packed_len,
+                    forward_transposes(x, weight, p, bool(x_names), bool(w_names)),
+                    amax_sharding if state is not None else None, x_inside)
     out = _Outputs(*_LinearFn.apply(x, weight, bias, p, layout, *w_leaves, *x_leaves, *states))
     if state is None:
         return out.y, None

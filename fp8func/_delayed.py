@@ -17,8 +17,8 @@ gradient": the new state arrives as the *gradient* of the state input, and a sta
 through several uses in one step (``y1, s = linear_delayed(x1, w, ..., s); y2, s =
 linear_delayed(x2, w, ..., s)``) records the max of their amaxes as one history entry
 (``record_merged``). Reusing a state that a call already consumed is refused (``consume``).
-The op reads its state inputs with ``linear_states`` and returns ``next_linear_states`` as their
-gradients.
+The op takes the state as ``state_inputs``, reads it with ``linear_states``, passes it on packed
+(``pack_state``) and returns ``next_linear_states`` as the gradients of its state inputs.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ._sharding import Sharding, reduce_amax
 
 __all__ = ["ScalingState", "LinearScalingState", "quantize_delayed", "record_merged", "consume", "refresh",
            "check_linear_state", "global_amax", "linear_states", "next_linear_states", "packed_history_len",
-           "unpack_state"]
+           "pack_state", "state_inputs", "unpack_state"]
 
 
 class ScalingState(NamedTuple):
@@ -222,16 +222,41 @@ def linear_states(inputs: tuple, packed_len: int = 0) -> LinearScalingState:
     return LinearScalingState.from_tensors(inputs)
 
 
-def next_linear_states(inputs: tuple, packed_len: int, passed: torch.Tensor | None, recorded: tuple,
-                       specs: tuple[CastSpec, ...], algo: str = "max") -> tuple:
+def state_inputs(state: LinearScalingState | torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+                 ) -> tuple[tuple, int]:
+    """A linear's state as the op's tensor inputs, checked for a call on ``x`` and ``weight``: a
+    ``LinearScalingState``'s six tensors and 0 (``check_linear_state``, which marks it consumed),
+    or a packed state's one tensor and its history length L (``packed_history_len``)."""
+    if isinstance(state, torch.Tensor):
+        return (state,), packed_history_len(state, x, weight)
+    check_linear_state(state, x, weight)
+    return state.tensors(), 0
+
+
+def pack_state(inputs: tuple, packed_len: int = 0) -> torch.Tensor:
+    """A linear's state inputs (``state_inputs``) packed in one new ``[3 * (L + 1)]`` tensor, which
+    ``unpack_state`` reads back: the state the op passes on to a later use in the step."""
+    if packed_len:
+        return inputs[0].clone()
+    # full tensors: a replicated distributed state (TP) would make the passed-on state a DTensor
+    # output, whose tangent torch.compile expects as a DTensor even when no later use gives it one
+    return torch.cat([full_tensor(t).reshape(-1) for t in inputs])
+
+
+def next_linear_states(inputs: tuple, packed_len: int, passed: torch.Tensor | None, amaxes: tuple,
+                       specs: tuple[CastSpec, ...], algo: str = "max", sharding: Sharding | None = None) -> tuple:
     """The gradients of a linear's state inputs (``inputs``, read as ``linear_states`` does): each
     state after this use's amax is recorded (``record_merged``). Six tensors, ``None`` for a state
     not recorded (a dynamic weight); or one packed tensor, where such a state comes back unchanged.
 
     ``passed``: the gradient of the packed state this use passed on (zeros, or None, when no later
-    use read it). ``recorded``: the amaxes of x, w and dy (one value each, ``global_amax``), None
-    for a state not recorded. ``specs``: the three casts' specs.
+    use read it). ``amaxes``: the amaxes of x, w and dy this use recorded, None for w's or dy's
+    state not recorded; each is made the logical tensor's (``global_amax``), x's and dy's also over
+    ``sharding``, the ranks their rows are split over. ``specs``: the three casts' specs.
     """
+    x_amax, w_amax, dy_amax = amaxes  # the tokens are split over ``sharding``, the weight's rows are not
+    recorded = (global_amax(x_amax, sharding), None if w_amax is None else global_amax(w_amax),
+                None if dy_amax is None else global_amax(dy_amax, sharding))
     if passed is not None:  # a state is replicated; under TP its gradient may come as a distributed tensor
         passed = full_tensor(passed)
     rows = tuple(i for i, a in enumerate(recorded) if a is not None)  # the states recorded

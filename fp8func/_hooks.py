@@ -1,7 +1,7 @@
 """What the core op asks of a distributed tensor, answered by the layer that knows one.
 
-The op's modules (``_casts``, ``_delayed``, ``_autograd``, ``_grouped``) import nothing of
-DTensor or FSDP2. ``fp8func.distributed`` registers its answers here when it is imported
+The op's modules (``_casts``, ``_delayed``, ``_operands``, ``_autograd``, ``_grouped``) import
+nothing of DTensor or FSDP2. ``fp8func.distributed`` registers its answers here when it is imported
 (``import fp8func`` imports it, so they are in place before any call); without a registration
 every tensor is a plain one. The questions, one ``DistributedHooks`` field each:
 

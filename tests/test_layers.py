@@ -22,7 +22,7 @@ PACKAGE = pathlib.Path(fp8func.__file__).parent
 # its placements), ``_ops`` (quantize of a DTensor), ``_collectives`` and ``_gathered`` (collectives
 # over a mesh, gathered casts of DTensor weights) and ``_gemm`` (the GEMM of DTensor operands).
 CORE = ["_formats", "_hooks", "_metrics", "_structural", "_scaling", "_qtensor", "_delayed", "_plan", "kernels",
-        "_casts", "_autograd", "_grouped"]
+        "_casts", "_operands", "_autograd", "_grouped"]
 FORBIDDEN = ("torch.distributed.tensor", "torch.distributed._tensor", "torch.distributed.fsdp",
              "torch.distributed._composable")
 

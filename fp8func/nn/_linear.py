@@ -19,12 +19,13 @@ The weight (``_linear_weights``):
 
 Delayed scaling (``_scaling_buffers``): with a delayed-scaling recipe (``"delayed"``) the layer
 holds its ``LinearScalingState`` as buffers (``fp8_{x,w,dy}_{history,scale}``: in the state_dict
-and checkpoints, never seen by the optimizer) and a ``ScalingBuffers`` (``scaling_buffers``; None
-for dynamic recipes) that packs them into one autograd leaf and writes the next state, their
-gradient, into them at the end of each backward ("overwrite with gradient"): the forward never
-changes them. With ``DelayedScaling(weight=False)`` the weight is cast dynamically (its buffers
-stay as initialized) and FSDP2 can all-gather it in FP8. Under ``torch.func`` transforms, use
-``fp8func.nn.apply``, which passes the states in and out explicitly.
+and checkpoints, never seen by the optimizer; its methods over them come from its base class
+``ScalingStateMixin``) and a ``ScalingBuffers`` (``scaling_buffers``; None for dynamic recipes)
+that packs them into one autograd leaf and writes the next state, their gradient, into them at
+the end of each backward ("overwrite with gradient"): the forward never changes them. With
+``DelayedScaling(weight=False)`` the weight is cast dynamically (its buffers stay as initialized)
+and FSDP2 can all-gather it in FP8. Under ``torch.func`` transforms, use ``fp8func.nn.apply``,
+which passes the states in and out explicitly.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._autograd import fp8_linear
-from .._delayed import LinearScalingState
 from .._gathered import casts_only, gathered_casts
 from .._plan import LinearPlan, plan
 from .._scaling import Recipe
@@ -54,18 +54,19 @@ from ._linear_weights import (
     typed_weight,
     unpickled_state,
 )
-from ._scaling_buffers import STATE_NAMES, ScalingBuffers
+from ._scaling_buffers import ScalingBuffers, ScalingStateMixin
 from ._state_writes import StateWrites
 from ._weights import FP8_WEIGHTS, local_of, weight_type
 
 __all__ = ["Fp8Linear", "hook_scaling_states"]
 
 
-class Fp8Linear(nn.Linear):
+class Fp8Linear(ScalingStateMixin, nn.Linear):
     """``nn.Linear`` computed in FP8 per ``recipe``; same parameters and state_dict keys.
 
     ``fsdp_fp8_all_gather``: FSDP2 all-gathers the weight in FP8; ``fp8_weights``: the weight is
-    kept in FP8, trained through ``MasterWeights``. See the module docstring for delayed scaling.
+    kept in FP8, trained through ``MasterWeights``. See the module docstring for delayed scaling
+    (the state's buffers: ``ScalingStateMixin``).
 
     Example:
         >>> layer = Fp8Linear(4096, 4096, recipe=fp8func.Recipe.from_name("rowwise"))
@@ -77,7 +78,6 @@ class Fp8Linear(nn.Linear):
     fp8_weights = False  # True: the weight is an Fp8WeightParam (convert(..., fp8_weights=True))
     fp8_enabled = True  # False: plain F.linear in high precision (PrecisionSchedule's bf16 phases)
     _input_casts = None  # the SharedInputCasts of this layer's sibling group (convert(share_input_casts=True))
-    scaling_buffers: ScalingBuffers | None = None  # delayed scaling: what the layer does with its state buffers
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  recipe: Recipe | LinearPlan | str = "tensorwise", fsdp_fp8_all_gather: bool = True,
@@ -88,7 +88,7 @@ class Fp8Linear(nn.Linear):
         self.fsdp_fp8_all_gather = all_gather_setting(self.plan, fsdp_fp8_all_gather, fp8_weights)
         self.fp8_weights = fp8_weights
         if self.plan.delayed is not None:
-            self._init_state(self.weight.device)
+            self._init_state(self.plan.delayed.history_len, self.weight.device)
         if self._weight_kind() is not None:
             self.weight = typed_weight(self.weight, self._weight_kind(), self.plan)
 
@@ -114,35 +114,6 @@ class Fp8Linear(nn.Linear):
         """The ``SharedInputCasts`` of this layer's sibling group, or None: it casts its own input."""
         self._input_casts = group
 
-    # Delayed scaling: the state's buffers are this layer's; the rest is its ScalingBuffers'.
-    def scaling_state(self) -> LinearScalingState | None:
-        """The layer's delayed-scaling state (views of its buffers), or None for dynamic scaling."""
-        if self.scaling_buffers is None:
-            return None
-        return LinearScalingState.from_tensors(getattr(self, name) for name in STATE_NAMES)
-
-    def hook_scaling_state(self) -> None:
-        """Hooks the state buffers for the write of the next state (``ScalingBuffers.hook``)."""
-        if self.scaling_buffers is not None:
-            self._register_state(self.scaling_buffers.hook(self.scaling_state()))
-
-    def _register_state(self, state: LinearScalingState | None) -> None:
-        for name, t in zip(STATE_NAMES, () if state is None else state.tensors()):
-            self.register_buffer(name, t)
-
-    def _init_state(self, device) -> None:
-        self.scaling_buffers = ScalingBuffers()
-        self._register_state(LinearScalingState.init(self.plan.delayed.history_len, device))
-        self.hook_scaling_state()
-
-    def _apply(self, fn, recurse=True):
-        state = self.scaling_state()
-        out = super()._apply(fn, recurse)
-        if state is not None:
-            self._register_state(ScalingBuffers.kept_float32(state, self.scaling_state()))
-        self.hook_scaling_state()  # .to() / .cuda() / to_empty() make new buffer tensors
-        return out
-
     @classmethod
     def from_linear(cls, linear_: nn.Linear, recipe: Recipe | LinearPlan | str, fsdp_fp8_all_gather: bool = True,
                     fp8_weights: bool = False) -> "Fp8Linear":
@@ -154,7 +125,7 @@ class Fp8Linear(nn.Linear):
         new.fsdp_fp8_all_gather, new.fp8_weights = fsdp_fp8_all_gather, fp8_weights
         new.weight, new.bias = typed_weight(linear_.weight, new._weight_kind(), p), linear_.bias
         if p.delayed is not None:
-            new._init_state(linear_.weight.device)
+            new._init_state(p.delayed.history_len, linear_.weight.device)
         return new
 
     # The weight: what checkpoints, copies and to_linear see of it (_linear_weights).

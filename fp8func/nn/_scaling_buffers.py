@@ -22,7 +22,9 @@ optimizer, float32 through ``.to(dtype)``. Everything else about them lives in t
   on the meta device.
 
 The ``ScalingBuffers`` never sets the layer's attributes: where the buffers must change (packed
-anew, kept float32) it returns the new tensors, which the layer registers.
+anew, kept float32) it returns the new tensors, which the layer registers. The layer's own methods
+over its buffers (read them as a state, register them, hook them, keep them float32 through
+``.to()``) are ``ScalingStateMixin``'s, a base class of ``Fp8Linear``.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ import weakref
 from typing import Callable
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from .._delayed import LinearScalingState, refresh, unpack_state
 from .._sharding import Sharding
 from ._state_writes import StateWrites
 
-__all__ = ["ROLES", "STATE_NAMES", "ScalingBuffers"]
+__all__ = ["ROLES", "STATE_NAMES", "ScalingBuffers", "ScalingStateMixin"]
 
 log = logging.getLogger("fp8func")
 
@@ -245,3 +248,39 @@ class _StateGradHook:
         buffers = self._buffers()
         if buffers is not None:
             buffers.writes.add(buffers)
+
+
+class ScalingStateMixin(nn.Module):
+    """The methods of a layer (``Fp8Linear``) over its delayed-scaling state buffers: the buffers
+    are the layer's, and these methods, the layer's own, register them; what is done with them is
+    its ``ScalingBuffers``' (``scaling_buffers``; None with dynamic scaling: no buffers)."""
+
+    scaling_buffers: ScalingBuffers | None = None  # delayed scaling: what the layer does with its state buffers
+
+    def scaling_state(self) -> LinearScalingState | None:
+        """The layer's delayed-scaling state (views of its buffers), or None for dynamic scaling."""
+        if self.scaling_buffers is None:
+            return None
+        return LinearScalingState.from_tensors(getattr(self, name) for name in STATE_NAMES)
+
+    def hook_scaling_state(self) -> None:
+        """Hooks the state buffers for the write of the next state (``ScalingBuffers.hook``)."""
+        if self.scaling_buffers is not None:
+            self._register_state(self.scaling_buffers.hook(self.scaling_state()))
+
+    def _register_state(self, state: LinearScalingState | None) -> None:
+        for name, t in zip(STATE_NAMES, () if state is None else state.tensors()):
+            self.register_buffer(name, t)
+
+    def _init_state(self, history_len: int, device) -> None:
+        self.scaling_buffers = ScalingBuffers()
+        self._register_state(LinearScalingState.init(history_len, device))
+        self.hook_scaling_state()
+
+    def _apply(self, fn, recurse=True):
+        state = self.scaling_state()
+        out = super()._apply(fn, recurse)
+        if state is not None:
+            self._register_state(ScalingBuffers.kept_float32(state, self.scaling_state()))
+        self.hook_scaling_state()  # .to() / .cuda() / to_empty() make new buffer tensors
+        return out
