@@ -74,14 +74,15 @@ CPU and, on the GPU, under ``--deterministic strict`` (deterministic kernels, fl
 deterministic backward included, a fixed cuBLAS workspace, inductor's deterministic mode) or
 ``warn``; elsewhere it reads "n/a (--deterministic)".
 
-``--profile`` runs one more step per configuration under ``torch.profiler`` (CPU + CUDA) and
-prints rank 0's GPU time by kernel class (FP8 / bf16 GEMMs, attention, fp8func's casts, inductor's
+``--profile`` runs one more step per configuration under ``torch.profiler`` (CPU + CUDA) on every
+rank and prints rank 0's GPU time by kernel class (FP8 / bf16 GEMMs, attention, fp8func's casts, inductor's
 fused kernels, optimizer, other) and by collective, the NCCL time no compute kernel hides, and the
 time the GPU stood idle waiting for its host or for a dependency (the JSON adds each class's
 largest kernels and the host's heaviest ops). ``--async-tp`` turns on torchtitan's async TP:
 inductor's micro-pipeline TP pass, with symmetric memory on the tp group, splits each matching
 sequence all-gather + matmul (and matmul + reduce-scatter) into overlapping chunks; the profile's
-last column counts the fused ops run per step.
+last column counts the fused ops run per step; the step span column gives rank 0's, then the
+range over the ranks.
 
     torchrun --nproc-per-node 8 examples/fsdp_tp_scaling.py --tp 2 --json $OUT/scaling.json
     torchrun --nproc-per-node 8 examples/fsdp_tp_scaling.py --tp 2 --ac selective   # torchtitan's op-level SAC
@@ -463,11 +464,13 @@ def train(args, name, mesh, device, recorder):
             if not math.isfinite(losses[-1]):
                 break  # every rank sees the same mean: all stop here
     profiled = None
-    if args.profile and math.isfinite(losses[-1]):  # rank 0 records; the others run the step with it
-        if dist.get_rank() == 0:
-            profiled = profile_one_step(one_step, model, opt, args.steps)
-        else:
-            one_step(model, opt, args.steps)
+    if args.profile and math.isfinite(losses[-1]):
+        # every rank records (a profiler on one rank only slows that rank, and the others' waits
+        # for it would show as its collectives' time); rank 0 reports, with each rank's span
+        profiled = profile_one_step(one_step, model, opt, args.steps)
+        spans = [None] * dist.get_world_size()
+        dist.all_gather_object(spans, profiled["waits"]["span_ms"])
+        profiled["span_ms_by_rank"] = spans
     del model, opt
     fsdp_bytes = None if gathered is None else fsdp_count.bytes / (last_measured - warmup + 1)
     return losses, times[warmup:] or times, gathered, fsdp_bytes, profiled
@@ -482,6 +485,8 @@ def profile_one_step(one_step, *step_args) -> dict:
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        dist.barrier()  # the ranks start the step together, each under its profiler
+        torch.cuda.synchronize()
         one_step(*step_args)
         torch.cuda.synchronize()
     return step_profile(prof, 1)
@@ -766,7 +771,7 @@ def profile_table(rows: list[dict]) -> list[str]:
     nccl = sorted({k for r in rows for k in ((r.get("profile") or {}).get("classes") or {}) if k.startswith("NCCL")})
     lines = ["", "One step under torch.profiler, rank 0, GPU ms (calls) by kernel class; NCCL exposed: collective "
              "time with no compute kernel beside it; idle: the GPU waiting for its host / for a dependency:", "",
-             "| config | step span ms | " + " | ".join(PROFILE_CLASSES + tuple(nccl))
+             "| config | step span ms (ranks) | " + " | ".join(PROFILE_CLASSES + tuple(nccl))
              + " | NCCL exposed | idle host / dependency | async TP fused ops |",
              "|---" * (len(PROFILE_CLASSES) + len(nccl) + 5) + "|"]
     for r in rows:
@@ -776,7 +781,8 @@ def profile_table(rows: list[dict]) -> list[str]:
         cells = [f"{prof['classes'].get(k, (0.0, 0))[0]:.1f} ({prof['classes'].get(k, (0.0, 0))[1]:g})"
                  for k in PROFILE_CLASSES + tuple(nccl)]
         w = prof["waits"]
-        lines.append(f"| {r['config']} | {w['span_ms']:.1f} | " + " | ".join(cells)
+        spans = prof.get("span_ms_by_rank") or [w["span_ms"]]
+        lines.append(f"| {r['config']} | {w['span_ms']:.1f} ({min(spans):.1f}-{max(spans):.1f}) | " + " | ".join(cells)
                      + f" | {w['nccl_exposed_ms']:.1f} | {w['idle_host_ms']:.1f} / {w['idle_dependency_ms']:.1f} | "
                      f"{prof['symm_mem_ops']:g} |")
     return lines

@@ -261,14 +261,15 @@ def test_profile_table_and_async_tp_arguments(monkeypatch, capsys):
             {"config": "torchao", "error": "n/a"},
             {"config": "fp8func-tensorwise", "profile": {"classes": {"GEMM fp8": (30.5, 12.0),
                                                                      "NCCL allreduce": (1.25, 40.0)},
-                                                         "waits": waits, "symm_mem_ops": 8.0}}]
+                                                         "waits": waits, "symm_mem_ops": 8.0,
+                                                         "span_ms_by_rank": [100.0, 98.5, 131.25]}}]
     lines = ex.profile_table(rows)
     header, rule, bf16, fp8 = lines[-4:]
     assert header.split(" | ")[-5:-3] == ["NCCL allgather", "NCCL allreduce"], header
     assert rule.count("---") == header.count("|") - 1
-    assert bf16 == ("| bf16 | 100.0 | 0.0 (0) | 60.0 (12) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 0.0 (0) | "
-                    "9.0 (4) | 0.0 (0) | 5.0 | 20.0 / 3.0 | 0 |")
-    assert fp8.startswith("| fp8func-tensorwise | 100.0 | 30.5 (12) |")
+    assert bf16 == ("| bf16 | 100.0 (100.0-100.0) | 0.0 (0) | 60.0 (12) | 0.0 (0) | 0.0 (0) | 0.0 (0) | 0.0 (0) | "
+                    "0.0 (0) | 9.0 (4) | 0.0 (0) | 5.0 | 20.0 / 3.0 | 0 |")
+    assert fp8.startswith("| fp8func-tensorwise | 100.0 (98.5-131.2) | 30.5 (12) |")
     assert fp8.endswith("| 0.0 (0) | 1.2 (40) | 5.0 | 20.0 / 3.0 | 8 |")
     for argv, needs in ((["--device", "cpu", "--compile", "--async-tp"], "--device cuda"),
                         (["--device", "cuda", "--no-compile", "--async-tp"], "--compile"),
