@@ -5,7 +5,7 @@ One launch, one 2-D mesh ("dp", "tp"): FSDP2 over dp (fp32 master weights, bf16 
 Each configuration rebuilds the model (HF ``LlamaForCausalLM`` from a config, no download) from
 the same seed and trains ``--steps`` steps on the same data (lm_head bf16 everywhere unless ``--fp8-lm-head``;
 tensorwise FSDP2 fp8 weight scales precomputed after each optimizer step in both libraries
-unless ``--no-precompute-scales``). Each decoder layer is set up in torchtitan's order: TP, then
+unless ``--no-precompute-scales``), AdamW fused as in torchtitan (``--optimizer``). Each decoder layer is set up in torchtitan's order: TP, then
 activation checkpointing (``--ac``), then ``torch.compile`` (``--compile``), then FSDP2:
 
 * ``bf16``: plain ``nn.Linear``, the stock TP styles;
@@ -356,6 +356,11 @@ def convert(model, name: str, fp8_lm_head: bool = False) -> tuple[dict, dict]:
     return plans
 
 
+# AdamW's implementations (torchtitan's ``optimizer.implementation``): fused runs one kernel per
+# parameter group and dtype, foreach one per op over all tensors, for-loop the ops per tensor.
+OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+
+
 def build(args, name: str, mesh, device):
     model = build_llama(args, device)
     plans = convert(model, name, args.fp8_lm_head)
@@ -370,7 +375,7 @@ def build(args, name: str, mesh, device):
     if CONFIGS[name][0] == "fp8func" and fp8func_recipe(CONFIGS[name][1]).delayed is not None:
         f8.distributed.share_scaling_state(model, dp_mesh)  # one state on every rank, FSDP2's dp mesh
         f8.nn.hook_scaling_states(model)  # parallelize_module made the state buffers DTensors: hook those
-    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, **OPTIMIZERS[args.optimizer])
 
 
 def scale_precompute(args, name: str):
@@ -629,6 +634,8 @@ def parse_args():
     p.add_argument("--precompute-scales", action=argparse.BooleanOptionalAction, default=True,
                    help="tensorwise with FSDP2 fp8 all-gather: compute the weights' scales in one all-reduce "
                         "after each optimizer step (both libraries; the recommended FSDP2 setting)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="fused",
+                   help="AdamW's implementation (torchtitan's default: fused)")
     p.add_argument("--fp8-lm-head", action="store_true",
                    help="convert the vocabulary projection (lm_head) too; by default it stays bf16 in every config")
     p.add_argument("--ac", choices=AC_MODES, default="none",
@@ -738,7 +745,8 @@ def report(args, rows, world, mesh) -> None:
     description = (f"Llama {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, heads {args.heads}/"
                    f"{args.kv_heads} kv, vocab {args.vocab}, seq {args.seq}, batch {args.batch} per dp rank, "
                    f"{args.steps} steps ({args.warmup} warm-up), {args.attn} attention, fp32 master + bf16 "
-                   f"MixedPrecisionPolicy, AdamW lr {args.lr}, FSDP2 over dp x sequence-parallel TP over tp, "
+                   f"MixedPrecisionPolicy, AdamW ({args.optimizer}) lr {args.lr}, "
+                   "FSDP2 over dp x sequence-parallel TP over tp, "
                    f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'} in the FP8 configs, tensorwise weight "
                    "scales "
                    f"{'precomputed after each optimizer step' if args.precompute_scales else 'in the FSDP2 hook'}. "
