@@ -237,11 +237,20 @@ def _precompute_twice(rank, world_size):
         fsdp_mod._reduce_max_eager = orig
 
 
-def _rowwise_all_reduces(rank, world_size, auto):
+def _rowwise_all_reduces(rank, world_size, auto, one_read=False):
     """Three row-wise FSDP2 steps (fp8 all-gather on): losses, trained weights and the amax
-    all-reduces of each step (the hooks' and the optimizer step's precompute)."""
+    all-reduces of each step (the hooks' and the optimizer step's precompute). ``one_read``: the
+    precompute takes the route it takes on CUDA (both casts of a shard from one amax pass and
+    one cast pass; here their PyTorch twins), counted."""
     import torch.distributed._functional_collectives as funcol
 
+    import fp8func.distributed._fsdp as fsdp_mod
+    import fp8func.kernels as fk
+
+    one_reads, orig_rc, orig_uk = [], fk.cast_rows_cols, fsdp_mod.use_kernels
+    if one_read:
+        fsdp_mod.use_kernels = lambda t, spec: True
+        fk.cast_rows_cols = lambda *a, **k: one_reads.append(1) or orig_rc(*a, **k)
     f8.distributed.precompute_after_optimizer_step(auto)
     model, opt = _model_and_opt(world_size, "rowwise", layers=2, lr=3e-3)
     # the hooks reduce through functional collectives, the optimizer step's precompute through c10d
@@ -252,23 +261,28 @@ def _rowwise_all_reduces(rank, world_size, auto):
         losses = _counted_steps(model, opt, rank, 3, counts)
     finally:
         funcol.all_reduce, dist.all_reduce = orig, orig_c10d
+        fk.cast_rows_cols, fsdp_mod.use_kernels = orig_rc, orig_uk
         f8.distributed.precompute_after_optimizer_step(True)
     weights = [p.to_local().detach().clone() for p in model.parameters()]
-    return {"losses": losses, "counts": counts, "weights": weights}
+    return {"losses": losses, "counts": counts, "weights": weights, "one_reads": len(one_reads)}
 
 
 @pytest.mark.slow
 def test_rowwise_weights_column_scales_are_precomputed_in_one_all_reduce():
     """Row-wise weights under FSDP2: each w_t cast's column amax spans the row shards. The hooks
     reduce it per weight (15 per step: 2 layers x 7 and lm_head); the optimizer step's precompute
-    reduces them all in one all-reduce, after which the hooks reduce none: the same bits."""
+    reduces them all in one all-reduce, after which the hooks reduce none: the same bits; so does
+    the route the precompute takes on CUDA (each shard's two casts from one amax pass and one cast
+    pass), every weight, every step."""
     auto = run_workers(_rowwise_all_reduces, 2, True)
     hooks = run_workers(_rowwise_all_reduces, 2, False)
-    for a, h in zip(auto, hooks):
-        assert a["losses"] == h["losses"]
-        assert all(torch.equal(x, y) for x, y in zip(a["weights"], h["weights"]))
+    one_read = run_workers(_rowwise_all_reduces, 2, True, True)
+    for a, h, o in zip(auto, hooks, one_read):
+        assert a["losses"] == h["losses"] == o["losses"]
+        assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a["weights"], h["weights"], o["weights"]))
     assert hooks[0]["counts"] == [15, 15, 15], hooks[0]["counts"]
-    assert auto[0]["counts"] == [15 + 1, 1, 1], auto[0]["counts"]
+    assert auto[0]["counts"] == one_read[0]["counts"] == [15 + 1, 1, 1], (auto[0]["counts"], one_read[0]["counts"])
+    assert auto[0]["one_reads"] == 0 and one_read[0]["one_reads"] == 3 * 15, one_read[0]["one_reads"]
 
 
 @pytest.mark.slow
@@ -710,6 +724,67 @@ def test_cast_kept_groups_are_bitwise_each_weights_cast(monkeypatch):
         want = fsdp_mod.cast_with_scale(w._tensor, scales[i:i + 1, :1], w._plan.output.b, round_to=w._param_dtype)
         assert version == w.weight_version() and torch.equal(scale, scales[i:i + 1, :1])
         assert data.dtype == w._plan.output.b.dtype and torch.equal(data.view(torch.uint8), want.data.view(torch.uint8))
+
+
+def _rowwise_shards(device) -> list[tuple[torch.Tensor, torch.dtype]]:
+    """Row-wise weight shards and their param dtypes: fp32 masters rounded to bf16 (random, bf16
+    rounding ties, NaN, -inf, a zero row, subnormals, above bf16's max, empty), bf16 and fp32
+    shards cast as they are, and an fp32 master under an fp16 param dtype."""
+    g = torch.Generator().manual_seed(0)
+    ties = torch.randn(32, 64, generator=g).bfloat16().float()
+    ties.view(-1)[::3] *= 1 + 2.0 ** -8  # exactly between two bf16 values: rounds to even
+    specials = torch.randn(16, 64, generator=g) * 100
+    specials[3, 5], specials[7, 9], specials[10] = float("nan"), -float("inf"), 0.0
+    specials[:, 11], specials[12, 0] = 1e-40, 3.4e38
+    shards = [(torch.randn(48, 64, generator=g) * 3, torch.bfloat16), (ties, torch.bfloat16),
+              (specials, torch.bfloat16), (torch.empty(0, 64), torch.bfloat16),
+              (torch.randn(16, 32, generator=g).bfloat16(), torch.bfloat16),
+              (torch.randn(16, 32, generator=g) * 1e-3, torch.float32),
+              (torch.randn(16, 32, generator=g), torch.float16)]
+    return [(t.to(device), d) for t, d in shards]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rowwise_casts_from_one_read_are_bitwise_the_hooks_casts(device, monkeypatch):
+    """precompute_scales' row-wise casts from two reads of the shard in all (the row and column
+    amaxes from one, both casts from the other: ``kernels.amax_rows_cols`` and
+    ``kernels.cast_rows_cols``; on the CPU their PyTorch twins, routed as on CUDA) are the casts
+    the hook makes itself one at a time (``_keep_casts``, their slow twin): scales and payloads
+    bitwise, but for a NaN scale and its group, NaN in both (the NaN's bits are those of the
+    reduction that made it, which differ between PyTorch's row and column amaxes on the CPU).
+    An fp16 param dtype (which the kernel does not round to) takes the slow path."""
+    import fp8func.distributed._fsdp as fsdp_mod
+    import fp8func.kernels as fk
+    from fp8func.distributed import Fp8AllGatherWeight
+
+    def weights():
+        out = []
+        for t, param_dtype in _rowwise_shards(device):
+            w = Fp8AllGatherWeight(t.clone(), "rowwise")
+            w._param_dtype, w._sharding_kept = param_dtype, (None, None, ())  # as after an all-gather, one rank
+            out.append(w)
+        return out
+
+    slow, fast = weights(), weights()
+    for w in slow:
+        w._keep_casts()
+    calls, orig = [], fk.cast_rows_cols
+    monkeypatch.setattr(fk, "cast_rows_cols", lambda *a, **k: calls.append(a[0].shape) or orig(*a, **k))
+    if device == "cpu":
+        monkeypatch.setattr(fsdp_mod, "use_kernels", lambda t, spec: True)
+    assert fsdp_mod._precompute_casts(fast) == len(fast)
+    assert len(calls) == len(fast) - 1  # all but the fp16 one
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert a._payloads_kept() and sorted(a._scales) == sorted(b._scales) == ["w", "w_t"], i
+        for name in ("w", "w_t"):
+            (_, sa, da), (_, sb, db) = a._scales[name], b._scales[name]
+            assert sa.shape == sb.shape and da.shape == db.shape and da.dtype == db.dtype, (i, name)
+            nan = sa.isnan()
+            assert torch.equal(nan, sb.isnan()) and bool(nan.any()) == (i == 2), (i, name)
+            assert torch.equal(sa.view(torch.int32)[~nan], sb.view(torch.int32)[~nan]), (i, name)
+            nan = nan.expand_as(da)  # a NaN scale's group: NaN in both (the sign comes from the scale's bits)
+            assert torch.equal(da.view(torch.uint8)[~nan], db.view(torch.uint8)[~nan]), (i, name)
+            assert da.float()[nan].isnan().all() and db.float()[nan].isnan().all(), (i, name)
 
 
 def _gathered_rebuilds(rank, world_size):

@@ -596,6 +596,40 @@ def test_cast_many_is_each_tensor_cast_and_checks_its_arguments():
         fk.cast_many(xs, scales[:2], spec)
 
 
+def test_rows_cols_are_the_row_and_column_casts_and_check_their_arguments():
+    """The reference path of ``amax_rows_cols`` / ``cast_rows_cols`` (the GPU kernels are checked
+    against it below): bitwise the row-wise and column-wise amax and casts of the oracle, an fp32
+    tensor rounded to bf16 as ``x.to(torch.bfloat16)``; wrong arguments raise with the fix."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 53, generator=g) * torch.logspace(-3, 3, 53)  # columns of very different size
+    x[4, 7], x[9, 3], x[20] = float("nan"), -float("inf"), 0.0
+    rows, cols = fk.amax_rows_cols(x)
+    assert_bitwise(rows, fk.amax(x, ROW), "rows")
+    assert_bitwise(cols, fk.amax(x, f8.AxisWise(0)), "cols")
+    out = torch.zeros(37 + 53 + 5)[5:]  # a slice of a larger buffer: rows first, then columns
+    r2, c2 = fk.amax_rows_cols(x, out=out)
+    assert r2.data_ptr() == out.data_ptr() and c2.data_ptr() == out[37:].data_ptr()
+    assert_bitwise(r2, rows, "rows in out")
+    assert_bitwise(c2, cols, "cols in out")
+    row_spec, col_spec = f8.CastSpec(f8.E4M3, ROW, True), f8.CastSpec(f8.E5M2, f8.AxisWise(0))
+    x = torch.randn(37, 53, generator=g) * torch.logspace(-3, 3, 53)
+    for round_to in (None, torch.bfloat16):
+        hp = x if round_to is None else x.to(round_to)
+        want_r, want_c = oracle(hp, row_spec), oracle(hp, col_spec)
+        got_r, got_c = fk.cast_rows_cols(x, want_r[1], row_spec, want_c[1], col_spec, round_to=round_to)
+        assert_bitwise(got_r, want_r[0], "row cast")
+        assert_bitwise(got_c, want_c[0], "column cast")
+    s_r, s_c = torch.ones(37, 1), torch.ones(1, 53)
+    with pytest.raises(ValueError, match=r"out is \(\(90,\), torch.float64.*expected contiguous float32 zeros"):
+        fk.amax_rows_cols(x, out=torch.zeros(90, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"col_spec=.*AxisWise\(axis=-1\).*expected a CastSpec with AxisWise\(0\)"):
+        fk.cast_rows_cols(x, s_r, row_spec, s_c, row_spec)
+    with pytest.raises(ValueError, match=r"col_scale is \(\(53, 1\).*expected float32 of shape \(1, 53\)"):
+        fk.cast_rows_cols(x, s_r, row_spec, s_c.t(), col_spec)
+    with pytest.raises(ValueError, match=r"round_to=torch.float16"):
+        fk.cast_rows_cols(x, s_r, row_spec, s_c, col_spec, round_to=torch.float16)
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: the kernels inside compiled code (one buffer read in place, amaxes fused into their
 # producers) and cast_many, the one-launch cast of every weight.
@@ -744,3 +778,42 @@ def test_cast_many_is_bitwise_the_reference_and_the_one_tensor_kernel(dtype, src
         assert a.shape == x.shape and a.dtype == dtype
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i
         assert torch.equal(a.view(torch.uint8), one.view(torch.uint8)), i
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("src", ["fp32->bf16", "bf16", "fp32"])
+def test_rows_cols_kernels_are_bitwise_the_reference(src):
+    """precompute_scales' row-wise passes (a row-wise weight's row and column amaxes from one read,
+    both casts from another): bitwise the PyTorch twins, on special values, bf16 rounding ties,
+    ragged and empty shapes, saturating and extreme scales, E4M3 rows with E4M3 / E5M2 columns."""
+    round_to = torch.bfloat16 if src == "fp32->bf16" else None
+    dtype = torch.bfloat16 if src == "bf16" else torch.float32
+    for i, shape in enumerate([(1, 1), (37, 53), (256, 4096), (1024, 14336), (4097, 515), (0, 64)]):
+        for kind in ("randn", "specials", "zeros"):
+            x = _gpu_input(shape, dtype, kind, i) if shape[0] else torch.empty(shape, device="cuda", dtype=dtype)
+            if round_to is not None:
+                x.view(-1)[::7] = x.view(-1)[::7].bfloat16().float() * (1 + 2.0 ** -8)  # bf16 rounding ties
+            out = torch.zeros(sum(shape) + 3, device="cuda")[3:]
+            got = fk.amax_rows_cols(x, out=out, impl="triton")
+            want = fk.amax_rows_cols(x, impl="reference")
+            for a, b, name in zip(got, want, ("rows", "cols")):
+                assert_bitwise(a, b, f"{shape} {kind} amax {name}")
+            hp = x if round_to is None else x.to(round_to)
+            for fp8_t in (f8.E4M3, f8.E5M2):
+                row_spec, col_spec = f8.CastSpec(f8.E4M3, ROW, True), f8.CastSpec(fp8_t, f8.AxisWise(0), True)
+                s_r = (fk.quantize(hp, row_spec, impl="reference")[0].scale if shape[0]
+                       else torch.ones(0, 1, device="cuda"))
+                s_c = f8.compute_scale(fk.amax(hp, f8.AxisWise(0), impl="reference"), fp8_t, True)
+                for scales in ("own", "saturating", "extreme"):
+                    sr, sc = s_r, s_c
+                    if scales == "saturating":
+                        sr, sc = sr / 64, sc / 64
+                    elif scales == "extreme":  # huge (reciprocal subnormal), tiny (x * recip overflows), inf, NaN
+                        pick = torch.tensor([2.0**127, 3.0e38, 1e-30, float("inf"), float("nan"), 1.5], device="cuda")
+                        sr = pick[torch.arange(sr.numel(), device="cuda") % 6].reshape(sr.shape)
+                        sc = pick[torch.arange(sc.numel(), device="cuda") % 5].reshape(sc.shape)
+                    got = fk.cast_rows_cols(x, sr, row_spec, sc, col_spec, round_to=round_to, impl="triton")
+                    want = fk.cast_rows_cols(x, sr, row_spec, sc, col_spec, round_to=round_to, impl="reference")
+                    for a, b, name in zip(got, want, ("rows", "cols")):
+                        assert_bitwise(a, b, f"{shape} {kind} {fp8_t} {scales} cast {name}")

@@ -50,7 +50,7 @@ from .._log import warn_once
 from .._plan import LinearPlan
 from .._plan import plan as to_plan
 from .._qtensor import Fp8Meta, Fp8Tensor, trusted_fp8_tensor
-from .._scaling import Recipe, TensorWise, block_lengths, compute_scale
+from .._scaling import AxisWise, Recipe, TensorWise, block_lengths, compute_scale
 from .._sharding import Sharding
 from .._structural import COPY_OPS, NEW_OPS, STRUCTURAL_OPS, AssignableData
 from ..nn._weights import notify_all_gather
@@ -797,6 +797,9 @@ def _precompute_casts(weights: list) -> int:
     ``w_t``, blocks), cast and kept for the hooks as they would cast it themselves
     (``_keep_casts``), bitwise; the scales whose groups span ranks (row-wise ``w_t``'s columns)
     first, for every weight in one all-reduce per kind of reduction (``_reduce_scales``).
+    Row-wise weights whose shard the fused kernels take read it twice in all, not once per
+    cast and copy: one pass for the row and column amaxes (``_row_col_amaxes``), one that writes
+    both casts (``_cast_rows_cols``); the same bits as ``_keep_casts`` (its slow twin).
     Weights whose kept casts are current are skipped (every rank alike: versions move alike).
     Returns the number of weights covered (those gathered under FSDP2 once: their sharding is
     known)."""
@@ -804,19 +807,74 @@ def _precompute_casts(weights: list) -> int:
     stale = [w for w in ready if not w._payloads_kept()]
     for w in stale:  # last step's casts: dropped before the new ones are made
         w._drop_stale()
-    _reduce_scales(stale)
-    for w in stale:
+    paired = [w for w in stale if _casts_in_one_read(w)]
+    _reduce_scales(stale, _row_col_amaxes(paired))
+    _cast_rows_cols(paired)
+    for w in stale:  # the casts not made above (current ones are skipped), as the hook makes them
         w._keep_casts()
     return len(ready)
 
 
-def _reduce_scales(weights: list) -> None:
+def _casts_in_one_read(w) -> bool:
+    """Whether ``w``'s two casts are made from one read of its shard by the fused kernels: a
+    row-wise weight (``w`` per row, ``w_t`` per column) whose shard they take (a contiguous 2-D
+    bf16 / fp32 tensor on CUDA), cast in its own dtype or, an fp32 master, rounded to bf16 in the
+    kernel (the param dtype FSDP2 casts it to)."""
+    casts = w._weight_casts()
+    if len(casts) != 2:
+        return False
+    (_, rows), (_, cols) = casts
+    t, param_dtype = w._tensor, w._param_dtype
+    return (isinstance(rows.granularity, AxisWise) and rows.granularity.axis in (-1, 1)
+            and isinstance(cols.granularity, AxisWise) and cols.granularity.axis in (0, -2)
+            and use_kernels(t, rows)
+            and (t.dtype == param_dtype or (t.dtype == torch.float32 and param_dtype == torch.bfloat16)))
+
+
+def _row_col_amaxes(weights: list) -> dict:
+    """The row and column amaxes of each of ``weights``' shards (``_casts_in_one_read``), from one
+    read of it (``kernels.amax_rows_cols``), in one buffer zeroed once per device: ``{(id(w),
+    cast name): amax}`` for both casts, shaped like their scales. Of the shard as it is:
+    ``_padded_amaxes`` rounds them to the param dtype (rounding is monotonic)."""
+    from .. import kernels as kernel_ops
+
+    out: dict = {}
+    by_device: dict = {}
+    for w in weights:
+        by_device.setdefault(w._tensor.device, []).append(w)
+    for device, group in by_device.items():
+        sizes = [sum(w._tensor.shape) for w in group]
+        buf = torch.zeros(sum(sizes), device=device, dtype=torch.float32)
+        for w, part in zip(group, buf.split(sizes)):
+            (row_name, _), (col_name, _) = w._weight_casts()
+            out[(id(w), row_name)], out[(id(w), col_name)] = kernel_ops.amax_rows_cols(w._tensor, out=part)
+    return out
+
+
+def _cast_rows_cols(weights: list) -> None:
+    """Both casts of each of ``weights`` (``_casts_in_one_read``) with the scales ``_reduce_scales``
+    kept, from one read of the shard (``kernels.cast_rows_cols``; an fp32 master rounded to bf16
+    in the kernel, no bf16 copy), kept for the all-gathers: bitwise the hook's ``_cast_shard``."""
+    from .. import kernels as kernel_ops
+
+    for w in weights:
+        (row_name, row_spec), (col_name, col_spec) = w._weight_casts()
+        row_scale, col_scale = w._scales[row_name][1], w._scales[col_name][1]
+        round_to = w._param_dtype if w._tensor.dtype != w._param_dtype else None
+        rows, cols = kernel_ops.cast_rows_cols(w._tensor, row_scale, row_spec, col_scale, col_spec, round_to=round_to)
+        w._keep_cast(row_name, row_scale, rows)
+        w._keep_cast(col_name, col_scale, cols)
+
+
+def _reduce_scales(weights: list, made: dict) -> None:
     """The scales of the casts that the pre-all-gather hooks would reduce over ranks (a row-wise
     weight's ``w_t``: each column spans FSDP2's row shards; under TP a row-parallel weight's
     rows too), for every weight in one all-reduce per kind of reduction instead of one per weight
-    in its hook; kept (``_scales``) for ``_keep_casts`` and the hooks while the weight is
-    unchanged. The same bits: MAX is exact, and the amax of the fp32 master rounded to the param
-    dtype is the amax of the rounded shard (rounding is monotonic)."""
+    in its hook; and of the casts whose amaxes ``made`` holds (``_row_col_amaxes``), those within
+    the shard too (no collective: one scale computation for all). Kept (``_scales``) for
+    ``_keep_casts``, ``_cast_rows_cols`` and the hooks while the weight is unchanged. The same
+    bits: MAX is exact, and the amax of the fp32 master rounded to the param dtype is the amax
+    of the rounded shard (rounding is monotonic)."""
     pending: dict = {}  # the reductions (mesh, mesh dims) in order -> [(weight, cast name, spec, amax)]
     for w in weights:
         sharding, version, shape = w.__dict__["_sharding_kept"][2], w.weight_version(), tuple(w._tensor.shape)
@@ -824,10 +882,12 @@ def _reduce_scales(weights: list) -> None:
             reductions = tuple((sh.mesh, dims) for sh in sharding
                                if (dims := tuple(d for d in sh.amax_mesh_dims(spec.granularity, shape)
                                                  if sh.mesh.size(d) > 1)))
-            current = w._scales.get(name)
-            if not reductions or (current is not None and current[0] == version):
+            amax, current = made.get((id(w), name)), w._scales.get(name)
+            if (not reductions and amax is None) or (current is not None and current[0] == version):
                 continue
-            pending.setdefault(reductions, []).append((w, name, spec, amax_for_cast(w._tensor, spec.granularity)))
+            if amax is None:
+                amax = amax_for_cast(w._tensor, spec.granularity)
+            pending.setdefault(reductions, []).append((w, name, spec, amax))
     for reductions, entries in pending.items():
         flat, offsets = _padded_amaxes(entries)
         for mesh, dims in reductions:
@@ -839,7 +899,7 @@ def _reduce_scales(weights: list) -> None:
 
 def _padded_amaxes(entries: list) -> tuple[torch.Tensor, list[int]]:
     """The amaxes of ``entries`` in one float32 vector, each rounded to its weight's param dtype
-    (what the hook's shard holds) and starting at a multiple of 4 elements (so each scale made
+    (what the hook's shard holds; NaN canonical) and starting at a multiple of 4 elements (so each scale made
     from it is 16-byte aligned, as cuBLASLt wants its scale pointers); with each one's offset.
     One rounding and one copy for all (not one per weight) where the param dtypes agree."""
     rounds = [w._param_dtype if w._tensor.dtype != w._param_dtype else None for w, *_ in entries]
@@ -855,7 +915,11 @@ def _padded_amaxes(entries: list) -> tuple[torch.Tensor, list[int]]:
             parts.append(pad[:4 - at % 4])
             at += 4 - at % 4
     flat = torch.cat(parts)
-    return (flat.to(rounds[0]).float() if once and rounds[0] is not None else flat), offsets
+    if once and rounds[0] is not None:
+        flat = flat.to(rounds[0]).float()
+    # A NaN amax as the standard quiet NaN, as the amax kernels give it: rounding may change its
+    # bits (the CPU's bf16 conversion makes it negative), and a cast reads the sign off its scale.
+    return (_canonical_nan(flat) if any(r is not None for r in rounds) else flat), offsets
 
 
 def _scales_of(flat: torch.Tensor, entries: list, offsets: list[int]) -> list[torch.Tensor]:

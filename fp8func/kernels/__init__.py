@@ -17,10 +17,13 @@ Example:
 
 from ._dispatch import IMPLS as IMPLS
 from ._dispatch import amax as amax
+from ._dispatch import amax_rows_cols as amax_rows_cols
 from ._dispatch import cast as cast
 from ._dispatch import cast_amax as cast_amax
 from ._dispatch import cast_many as cast_many
+from ._dispatch import cast_rows_cols as cast_rows_cols
 from ._dispatch import quantize as quantize
 from ._dispatch import triton_available as triton_available
 
-__all__ = ["IMPLS", "amax", "cast", "cast_amax", "cast_many", "quantize", "triton_available"]
+__all__ = ["IMPLS", "amax", "amax_rows_cols", "cast", "cast_amax", "cast_many", "cast_rows_cols", "quantize",
+           "triton_available"]

@@ -26,7 +26,8 @@ from .._scaling import (
 )
 from . import _reference
 
-__all__ = ["IMPLS", "amax", "cast", "cast_amax", "cast_many", "quantize", "triton_available"]
+__all__ = ["IMPLS", "amax", "amax_rows_cols", "cast", "cast_amax", "cast_many", "cast_rows_cols", "quantize",
+           "triton_available"]
 
 IMPLS = ("auto", "triton", "reference")
 _HP_DTYPES = (torch.bfloat16, torch.float32)
@@ -215,6 +216,76 @@ def cast_many(
     if backend is not _reference and not plain_eager(xs):
         backend = _reference  # one launch over raw addresses: for plain tensors outside any tracing or mode
     return backend.cast_many(list(xs), scales, spec, round_to)
+
+
+def amax_rows_cols(x: torch.Tensor, *, out: torch.Tensor | None = None,
+                   impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``amax(x, AxisWise(-1))`` and ``amax(x, AxisWise(0))``, bitwise, from one read of ``x`` (the
+    scales of a row-wise weight's two casts: per row for the forward, per column for grad_input).
+    Eager only.
+
+    ``out``: float32 ``[M + K]`` of zeros that receives them, rows first (a slice of one buffer
+    zeroed once for many tensors: one fill, not one per tensor); a new one where None. Returns
+    views of it: the row maxima ``(M, 1)`` and the column maxima ``(1, K)``.
+
+    Example:
+        >>> import torch, fp8func.kernels as k
+        >>> rows, cols = k.amax_rows_cols(torch.tensor([[1.0, -3.0], [2.0, 0.5]]))
+        >>> rows.flatten().tolist(), cols.flatten().tolist()
+        ([3.0, 2.0], [2.0, 3.0])
+    """
+    m, k = _check_x(x, "amax_rows_cols")
+    if out is None:
+        out = torch.zeros(m + k, device=x.device, dtype=torch.float32)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != (m + k,)
+          or out.device != x.device or not out.is_contiguous()):
+        got = (tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"amax_rows_cols: out is {got}; expected contiguous float32 zeros of shape ({m + k},) "
+                         f"on {x.device} (M + K for x of shape {(m, k)}).")
+    backend = _backend(impl, x)
+    if backend is not _reference and not plain_eager([x, out]):
+        backend = _reference  # launched directly: for plain tensors outside any tracing or mode
+    backend.amax_rows_cols(x, out)
+    return out[:m].view(m, 1), out[m:].view(1, k)
+
+
+def cast_rows_cols(
+    x: torch.Tensor, row_scale: torch.Tensor, row_spec: CastSpec, col_scale: torch.Tensor, col_spec: CastSpec, *,
+    round_to: torch.dtype | None = None, impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_with_scale(x, row_scale, row_spec).data`` and ``quantize_with_scale(x, col_scale,
+    col_spec).data``, bitwise, from one read of ``x``: a row-wise weight ``[N, K]``'s forward cast
+    (one scale per row) and its grad_input cast (one scale per column), both payloads ``[M, K]``
+    row-major. Eager only.
+
+    ``row_spec``: ``AxisWise(-1)``, ``row_scale`` ``(M, 1)``; ``col_spec``: ``AxisWise(0)``,
+    ``col_scale`` ``(1, K)``. ``round_to=torch.bfloat16``: fp32 ``x`` is cast as ``x.to(torch.bfloat16)``
+    would be, without writing that copy.
+
+    Example:
+        >>> import torch, fp8func as f8, fp8func.kernels as k
+        >>> x = torch.tensor([[1.0, -4.0], [2.0, 0.5]])
+        >>> rows, cols = k.cast_rows_cols(x, torch.tensor([[0.5], [0.25]]), f8.CastSpec(granularity=f8.AxisWise(-1)),
+        ...                               torch.tensor([[0.25, 2.0]]), f8.CastSpec(granularity=f8.AxisWise(0)))
+        >>> rows.float().tolist(), cols.float().tolist()
+        ([[2.0, -8.0], [8.0, 2.0]], [[4.0, -2.0], [8.0, 0.25]])
+    """
+    m, k = _check_x(x, "cast_rows_cols")
+    for spec, axes, name in ((row_spec, (-1, 1), "row_spec"), (col_spec, (0, -2), "col_spec")):
+        g = spec.granularity if isinstance(spec, CastSpec) else None
+        if not (isinstance(g, AxisWise) and g.axis in axes):
+            raise ValueError(f"cast_rows_cols: {name}={spec!r}; expected a CastSpec with AxisWise({axes[0]}).")
+    _check_scale(row_scale, (m, 1), x, "row_scale")
+    _check_scale(col_scale, (1, k), x, "col_scale")
+    if round_to == x.dtype:
+        round_to = None
+    if round_to is not None and (round_to != torch.bfloat16 or x.dtype != torch.float32):
+        raise ValueError(f"cast_rows_cols(round_to={round_to}) on a {x.dtype} tensor: rounding applies to float32 x "
+                         "and torch.bfloat16; cast x.to(round_to) instead.")
+    backend = _backend(impl, x)
+    if backend is not _reference and not plain_eager([x, row_scale, col_scale]):
+        backend = _reference  # launched directly: for plain tensors outside any tracing or mode
+    return backend.cast_rows_cols(x, row_scale, row_spec, col_scale, col_spec, round_to)
 
 
 def plain_eager(xs) -> bool:

@@ -11,9 +11,9 @@ import torch
 
 from .._ops import quantize as _quantize
 from .._ops import quantize_with_scale as _quantize_with_scale
-from .._scaling import CastSpec, Granularity, TensorWise, compute_amax
+from .._scaling import AxisWise, CastSpec, Granularity, TensorWise, compute_amax
 
-__all__ = ["amax", "cast", "cast_amax", "quantize"]
+__all__ = ["amax", "amax_rows_cols", "cast", "cast_amax", "cast_rows_cols", "quantize"]
 
 
 def amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
@@ -37,6 +37,22 @@ def cast(
     if scale_t is None:
         return data, None
     return data, _quantize_with_scale(x.t().contiguous(), scale_t, spec).data
+
+
+def amax_rows_cols(x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[:M]`` <- ``amax(x, AxisWise(-1))``, ``out[M:]`` <- ``amax(x, AxisWise(0))`` (float32 ``[M + K]``)."""
+    m = x.shape[0]
+    out[:m].copy_(amax(x, AxisWise(-1)).reshape(-1))
+    out[m:].copy_(amax(x, AxisWise(0)).reshape(-1))
+
+
+def cast_rows_cols(x: torch.Tensor, row_scale: torch.Tensor, row_spec: CastSpec, col_scale: torch.Tensor,
+                   col_spec: CastSpec, round_to=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` cast with its row scales and, into a second ``[M, K]`` payload, with its column scales.
+    ``round_to``: ``x.to(round_to)`` is what is cast."""
+    if round_to is not None:
+        x = x.to(round_to)
+    return _quantize_with_scale(x, row_scale, row_spec).data, _quantize_with_scale(x, col_scale, col_spec).data
 
 
 def cast_many(xs: list[torch.Tensor], scales: torch.Tensor, spec: CastSpec, round_to=None) -> list[torch.Tensor]:

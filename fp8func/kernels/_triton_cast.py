@@ -20,7 +20,7 @@ from torch.library import wrap_triton
 from ._configs import Config
 from ._triton_device import abs_bits, anchor, canonical_nan, consts, recip, saturate, scale_of, transposed
 
-__all__ = ["cast_partials", "launch_cast", "launch_cast_many"]
+__all__ = ["cast_partials", "launch_cast", "launch_cast_many", "launch_cast_rows_cols"]
 
 
 @triton.jit
@@ -125,6 +125,48 @@ def launch_cast(x: torch.Tensor, data: torch.Tensor, sa: torch.Tensor, data_t: t
         NPART=partials, NPART_P2=triton.next_power_of_2(max(partials, 1)),
         amax_ptr=sa if amax_out is None else amax_out, AMAX_OUT=amax_out is not None,
         RAW_T=cfg.raw_t and transpose, ROUND_BF16=round_bf16, num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+@triton.jit
+def _cast_rows_cols_kernel(x_ptr, rows_ptr, cols_ptr, sr_ptr, sc_ptr, M, K, sr0, sc1,
+                           MAX_R: tl.constexpr, MAX_C: tl.constexpr, ROUND_BF16: tl.constexpr,
+                           BM: tl.constexpr, BK: tl.constexpr):
+    # One [BM, BK] tile of x read once and cast twice, both payloads in x's layout: rows_ptr with
+    # the row scales sr[m * sr0], cols_ptr with the column scales sc[k * sc1] (a row-wise weight's
+    # forward cast and its grad_input cast). The arithmetic is _cast_kernel's, element for element.
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    rmask = rows < M
+    cmask = cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if ROUND_BF16:  # round to nearest even, as torch's .to(torch.bfloat16)
+        x = x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    x = x.to(tl.float32)
+    sr = tl.load(sr_ptr + rows.to(tl.int64) * sr0, mask=rmask, other=1.0)
+    sc = tl.load(sc_ptr + cols.to(tl.int64) * sc1, mask=cmask, other=1.0)
+    tl.store(rows_ptr + offs, saturate(x, recip(sr)[:, None], MAX_R).to(rows_ptr.dtype.element_ty), mask=mask)
+    tl.store(cols_ptr + offs, saturate(x, recip(sc)[None, :], MAX_C).to(cols_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_cast_rows_cols(x: torch.Tensor, data: torch.Tensor, row_scale: torch.Tensor, data_c: torch.Tensor,
+                          col_scale: torch.Tensor, round_bf16: bool, cfg: Config) -> None:
+    """``data`` <- ``x`` cast with ``row_scale`` ``[M, 1]``, ``data_c`` <- ``x`` cast with ``col_scale``
+    ``[1, K]``, both ``[M, K]``, from one read of ``x`` (eager: the kernel itself is launched).
+    ``round_bf16``: fp32 ``x`` is rounded to bf16 before the casts."""
+    m, k = x.shape
+    if not x.numel():
+        return
+    grid = (triton.cdiv(m, cfg.bm), triton.cdiv(k, cfg.bk))
+    # Triton launches on the current device
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _cast_rows_cols_kernel[grid](
+            x, data, data_c, row_scale, col_scale, m, k, row_scale.stride(0), col_scale.stride(1),
+            MAX_R=consts(data.dtype, False)["FP8_MAX"], MAX_C=consts(data_c.dtype, False)["FP8_MAX"],
+            ROUND_BF16=round_bf16, BM=cfg.bm, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def cast_partials(x: torch.Tensor, cfg: Config) -> int:

@@ -15,6 +15,8 @@ blocks, with the transposed copy for the blocks); the scalar math they share is 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch._library import triton as _library_triton
 from torch.library import triton_op
@@ -25,9 +27,9 @@ from ._configs import config
 from ._dispatch import plain_eager
 from ._triton_amax import amax_programs, launch_amax_2d, launch_amax_flat
 from ._triton_block import MAX_ROW_K, launch_quant, launch_quant_t, rowwise_tile
-from ._triton_cast import cast_partials, launch_cast, launch_cast_many
+from ._triton_cast import cast_partials, launch_cast, launch_cast_many, launch_cast_rows_cols
 
-__all__ = ["amax", "cast", "cast_amax", "quantize"]
+__all__ = ["amax", "amax_rows_cols", "cast", "cast_amax", "cast_rows_cols", "quantize"]
 
 
 def _groups(g: Granularity) -> tuple[int, int]:
@@ -164,6 +166,12 @@ _quantize_op = triton_op("fp8func::kernels_quantize", mutates_args=())(_quantize
 _plain_launches = getattr(_library_triton, "set_wrap_triton_enabled", None)  # as triton_op's eager kernel runs
 
 
+def _eager_launches():
+    """A context in which ``wrap_triton`` launches the kernel itself (no higher-order op), where
+    this torch can say so."""
+    return _plain_launches(False) if _plain_launches is not None else contextlib.nullcontext()
+
+
 def _call(op, fn, x: torch.Tensor, *args):
     """``op(x, *args)``; its function ``fn`` itself where nothing needs the dispatcher: eager
     (not traced), no dispatch mode or torch.func transform active, ``x`` a plain tensor that
@@ -194,6 +202,23 @@ def cast(
 def cast_many(xs: list[torch.Tensor], scales: torch.Tensor, spec: CastSpec, round_to=None) -> list[torch.Tensor]:
     """Each of ``xs`` cast with ``scales[i, 0]`` (tensorwise), in one launch (eager only)."""
     return launch_cast_many(xs, scales, spec.dtype, round_to is not None)
+
+
+def amax_rows_cols(x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[:M]`` / ``out[M:]`` (zeros) <- the row / column maxima of ``x``, one read (eager only)."""
+    m = x.shape[0]
+    with _eager_launches(), torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        launch_amax_2d(x, out[:m], out[m:], config("amax_2d"))
+
+
+def cast_rows_cols(x: torch.Tensor, row_scale: torch.Tensor, row_spec: CastSpec, col_scale: torch.Tensor,
+                   col_spec: CastSpec, round_to=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` cast with its row scales and with its column scales, two ``[M, K]`` payloads from one
+    read (eager only). The tile walk of the ``cast`` route (its configuration)."""
+    data = torch.empty(x.shape, device=x.device, dtype=row_spec.dtype)
+    data_c = torch.empty(x.shape, device=x.device, dtype=col_spec.dtype)
+    launch_cast_rows_cols(x, data, row_scale, data_c, col_scale, round_to is not None, config("cast"))
+    return data, data_c
 
 
 def cast_amax(
