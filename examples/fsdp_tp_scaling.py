@@ -5,8 +5,9 @@ One launch, one 2-D mesh ("dp", "tp"): FSDP2 over dp (fp32 master weights, bf16 
 Each configuration rebuilds the model (HF ``LlamaForCausalLM`` from a config, no download) from
 the same seed and trains ``--steps`` steps on the same data (lm_head bf16 everywhere unless ``--fp8-lm-head``;
 tensorwise FSDP2 fp8 weight scales precomputed after each optimizer step in both libraries
-unless ``--no-precompute-scales``), AdamW fused as in torchtitan (``--optimizer``). Each decoder layer is set up in torchtitan's order: TP, then
-activation checkpointing (``--ac``), then ``torch.compile`` (``--compile``), then FSDP2:
+unless ``--no-precompute-scales``), AdamW fused as in torchtitan (``--optimizer``). Each decoder
+layer is set up in torchtitan's order: TP, then activation checkpointing (``--ac``), then
+``torch.compile`` (``--compile``), then FSDP2:
 
 * ``bf16``: plain ``nn.Linear``, the stock TP styles;
 * ``torchao``: ``convert_to_float8_training`` (tensorwise, FSDP2 float8 all-gather on) with
