@@ -745,6 +745,23 @@ def _rowwise_shards(device) -> list[tuple[torch.Tensor, torch.dtype]]:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_weight_read_in_the_backward_is_its_column_major_copy(device):
+    """``fp8func::read_in_backward`` (a row-wise ``w_t`` gathered for the backward) returns the
+    weight's bits column-major, as ``t.t().contiguous().t()`` would (on CUDA through the tiled
+    ``kernels.transpose``), a fresh tensor for contiguous and strided inputs alike."""
+    from fp8func.distributed._dtensor import _read_in_backward
+
+    bits = torch.randint(0, 256, (48, 80), dtype=torch.uint8, device=device)
+    for t in (bits.view(f8.E4M3), bits.view(f8.E5M2)[:, :40], bits.view(torch.bfloat16)):
+        got = _read_in_backward(t, torch.ones((), device=device))
+        want = t.t().contiguous().t()
+        assert got.shape == t.shape and got.stride() == (1, t.shape[0]), (t.shape, got.stride())
+        assert got.data_ptr() != t.data_ptr()
+        assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got.view(torch.int16),
+                           want.view(torch.uint8) if want.element_size() == 1 else want.view(torch.int16))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_rowwise_casts_from_one_read_are_bitwise_the_hooks_casts(device, monkeypatch):
     """precompute_scales' row-wise casts from two reads of the shard in all (the row and column
     amaxes from one, both casts from the other: ``kernels.amax_rows_cols`` and

@@ -817,3 +817,32 @@ def test_rows_cols_kernels_are_bitwise_the_reference(src):
                     want = fk.cast_rows_cols(x, sr, row_spec, sc, col_spec, round_to=round_to, impl="reference")
                     for a, b, name in zip(got, want, ("rows", "cols")):
                         assert_bitwise(a, b, f"{shape} {kind} {fp8_t} {scales} cast {name}")
+
+
+def test_transpose_is_the_contiguous_transpose_and_checks_its_argument():
+    """``kernels.transpose`` is ``x.t().contiguous()`` bit for bit (the twin; the GPU kernel below);
+    anything but a contiguous 2-D tensor of 1-, 2- or 4-byte elements raises with the fix."""
+    x = torch.randint(0, 256, (37, 53), dtype=torch.uint8).view(f8.E4M3)
+    y = fk.transpose(x)
+    assert y.dtype == x.dtype and y.is_contiguous()
+    assert torch.equal(y.view(torch.uint8), x.t().contiguous().view(torch.uint8))
+    for bad in (x.t(), x.view(-1), torch.zeros(2, 2, dtype=torch.float64), "x"):
+        with pytest.raises(ValueError, match="transpose: x is .*expected a contiguous 2-D tensor"):
+            fk.transpose(bad)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [f8.E4M3, f8.E5M2, torch.bfloat16, torch.float32])
+def test_transpose_kernel_is_bitwise_the_reference(dtype):
+    """The tiled transpose moves every bit as torch's copy does (NaN payloads included), ragged,
+    one-row, one-column and empty shapes, and the row-wise w_t shapes of an 8B model's shards."""
+    for shape in [(1, 1), (1, 4097), (4097, 1), (37, 53), (1024, 14336), (3584, 4096), (0, 64)]:
+        bits = torch.randint(-2**31, 2**31 - 1, shape, device="cuda", dtype=torch.int64)
+        x = bits.to(torch.int32).view(torch.uint8)[:, : shape[1] * torch.empty((), dtype=dtype).element_size()]
+        x = x.contiguous().view(dtype)
+        got = fk.transpose(x, impl="triton")
+        want = fk.transpose(x, impl="reference")
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]
+        assert got.shape == want.shape and got.is_contiguous(), shape
+        assert torch.equal(got.view(ints), want.view(ints)), (shape, dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .. import kernels
 from .._casts import cast, use_kernels
 from .._formats import tracing
 from .._hooks import DistributedHooks
@@ -81,7 +82,9 @@ def cast_dtensor(t, spec: CastSpec, transpose: bool, kernels: str) -> tuple[Fp8T
 def _read_in_backward(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """A copy of the 2-D ``t`` made once ``grad`` exists: in the backward, never hoisted into the
     forward. Column-major, the layout in which the grad_input GEMM reads it as ``b`` (scaled_mm
-    would copy a row-major one again)."""
+    would copy a row-major one again); transposed by tiles (``kernels.transpose``) where it can."""
+    if t.is_contiguous() and t.element_size() in (1, 2, 4):
+        return kernels.transpose(t).t()
     return t.t().contiguous().t()
 
 

@@ -23,7 +23,8 @@ from ._dispatch import cast_amax as cast_amax
 from ._dispatch import cast_many as cast_many
 from ._dispatch import cast_rows_cols as cast_rows_cols
 from ._dispatch import quantize as quantize
+from ._dispatch import transpose as transpose
 from ._dispatch import triton_available as triton_available
 
 __all__ = ["IMPLS", "amax", "amax_rows_cols", "cast", "cast_amax", "cast_many", "cast_rows_cols", "quantize",
-           "triton_available"]
+           "transpose", "triton_available"]

@@ -27,7 +27,7 @@ from .._scaling import (
 from . import _reference
 
 __all__ = ["IMPLS", "amax", "amax_rows_cols", "cast", "cast_amax", "cast_many", "cast_rows_cols", "quantize",
-           "triton_available"]
+           "transpose", "triton_available"]
 
 IMPLS = ("auto", "triton", "reference")
 _HP_DTYPES = (torch.bfloat16, torch.float32)
@@ -286,6 +286,26 @@ def cast_rows_cols(
     if backend is not _reference and not plain_eager([x, row_scale, col_scale]):
         backend = _reference  # launched directly: for plain tensors outside any tracing or mode
     return backend.cast_rows_cols(x, row_scale, row_spec, col_scale, col_spec, round_to)
+
+
+def transpose(x: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """``x.t().contiguous()``, bitwise, for a contiguous 2-D ``x`` of 1-, 2- or 4-byte elements (an
+    fp8 payload laid out for the other GEMM operand): one tiled pass, where torch's strided copy of
+    1-byte elements runs element by element. Eager only (traced or under a mode: torch's copy).
+
+    Example:
+        >>> import torch, fp8func.kernels as k
+        >>> k.transpose(torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.uint8)).tolist()
+        [[1, 4], [2, 5], [3, 6]]
+    """
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or not x.is_contiguous() or x.element_size() not in (1, 2, 4):
+        got = (tuple(x.shape), x.dtype, x.is_contiguous()) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"transpose: x is {got} (shape, dtype, contiguous); expected a contiguous 2-D tensor of "
+                         "1-, 2- or 4-byte elements; call x.contiguous() first, or use x.t().contiguous().")
+    backend = _backend(impl, x)
+    if backend is not _reference and not plain_eager([x]):
+        backend = _reference  # launched directly: for plain tensors outside any tracing or mode
+    return backend.transpose(x)
 
 
 def plain_eager(xs) -> bool:

@@ -55,6 +55,11 @@ def cast_rows_cols(x: torch.Tensor, row_scale: torch.Tensor, row_spec: CastSpec,
     return _quantize_with_scale(x, row_scale, row_spec).data, _quantize_with_scale(x, col_scale, col_spec).data
 
 
+def transpose(x: torch.Tensor) -> torch.Tensor:
+    """``x.t().contiguous()``."""
+    return x.t().contiguous()
+
+
 def cast_many(xs: list[torch.Tensor], scales: torch.Tensor, spec: CastSpec, round_to=None) -> list[torch.Tensor]:
     """``[cast(x, scales[i:i + 1, :1], spec, None, round_to)[0] for i, x in enumerate(xs)]``."""
     return [cast(x, scales[i:i + 1, :1], spec, None, round_to)[0] for i, x in enumerate(xs)]

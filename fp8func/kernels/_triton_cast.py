@@ -20,7 +20,7 @@ from torch.library import wrap_triton
 from ._configs import Config
 from ._triton_device import abs_bits, anchor, canonical_nan, consts, recip, saturate, scale_of, transposed
 
-__all__ = ["cast_partials", "launch_cast", "launch_cast_many", "launch_cast_rows_cols"]
+__all__ = ["cast_partials", "launch_cast", "launch_cast_many", "launch_cast_rows_cols", "launch_transpose"]
 
 
 @triton.jit
@@ -167,6 +167,29 @@ def launch_cast_rows_cols(x: torch.Tensor, data: torch.Tensor, row_scale: torch.
             x, data, data_c, row_scale, col_scale, m, k, row_scale.stride(0), col_scale.stride(1),
             MAX_R=consts(data.dtype, False)["FP8_MAX"], MAX_C=consts(data_c.dtype, False)["FP8_MAX"],
             ROUND_BF16=round_bf16, BM=cfg.bm, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+@triton.jit
+def _transpose_kernel(x_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    # y[k, m] = x[m, k] for one [BM, BK] tile: read along x's rows, written along y's rows (Triton
+    # gives the load and the store each a coalesced layout and moves the tile between them)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    tile = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask)
+    tl.store(y_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], tile, mask=mask)
+
+
+def launch_transpose(x: torch.Tensor, y: torch.Tensor) -> None:
+    """``y`` (``[K, M]``, contiguous) <- ``x.T`` for contiguous ``x`` ``[M, K]`` of 1-, 2- or 4-byte
+    elements (eager: the kernel itself is launched); the bits move unchanged."""
+    m, k = x.shape
+    if not x.numel():
+        return
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]
+    grid = (triton.cdiv(m, 64), triton.cdiv(k, 64))
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _transpose_kernel[grid](x.view(ints), y.view(ints), m, k, BM=64, BK=64, num_warps=4)
 
 
 def cast_partials(x: torch.Tensor, cfg: Config) -> int:

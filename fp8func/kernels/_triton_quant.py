@@ -27,7 +27,7 @@ from ._configs import config
 from ._dispatch import plain_eager
 from ._triton_amax import amax_programs, launch_amax_2d, launch_amax_flat
 from ._triton_block import MAX_ROW_K, launch_quant, launch_quant_t, rowwise_tile
-from ._triton_cast import cast_partials, launch_cast, launch_cast_many, launch_cast_rows_cols
+from ._triton_cast import cast_partials, launch_cast, launch_cast_many, launch_cast_rows_cols, launch_transpose
 
 __all__ = ["amax", "amax_rows_cols", "cast", "cast_amax", "cast_rows_cols", "quantize"]
 
@@ -219,6 +219,13 @@ def cast_rows_cols(x: torch.Tensor, row_scale: torch.Tensor, row_spec: CastSpec,
     data_c = torch.empty(x.shape, device=x.device, dtype=col_spec.dtype)
     launch_cast_rows_cols(x, data, row_scale, data_c, col_scale, round_to is not None, config("cast"))
     return data, data_c
+
+
+def transpose(x: torch.Tensor) -> torch.Tensor:
+    """``x.t().contiguous()`` by tiles (eager only)."""
+    y = torch.empty((x.shape[1], x.shape[0]), device=x.device, dtype=x.dtype)
+    launch_transpose(x, y)
+    return y
 
 
 def cast_amax(
