@@ -415,7 +415,7 @@ class Fp8AllGatherWeight(AssignableData, GatherHooks, torch.Tensor):
         param_dtype = mp_policy.param_dtype or self._tensor.dtype
         names = self._cast_names()
         slots = names if len(names) == 1 else self._slots(module, names)
-        out = self._kept_gather(mesh, param_dtype, outer_size, slots)
+        out = self._kept_gather(mesh, param_dtype, outer_size, slots, names)
         if out is None:
             out = self._gather_inputs(mesh, outer_size, param_dtype, slots)
         notify_all_gather(self, module, out[0], mp_policy)
@@ -468,19 +468,19 @@ class Fp8AllGatherWeight(AssignableData, GatherHooks, torch.Tensor):
             out.append((name, e))
         return tuple(out)
 
-    def _kept_gather(self, mesh, param_dtype, outer_size, slots) -> tuple | None:
+    def _kept_gather(self, mesh, param_dtype, outer_size, slots, names=None) -> tuple | None:
         """The all-gather inputs and metadata of ``slots`` made from the payloads ``precompute_scales``
         keeps, where every cast has a current one and an earlier all-gather of these slots, in
         the same place, found even row shards; else None (the hook casts what it must). Built
         by ``precompute_scales`` once per weight version (``_kept_gathers``), so the hook only
         checks that they are current: no cast, no collective, no new tensor (FSDP2 copies the
-        inputs into its own buffer)."""
+        inputs into its own buffer). ``names``: ``_cast_names()``, where the caller has them."""
         gathers = self.__dict__.get("_gathers_kept")
         kept = None if gathers is None else gathers.get(slots)
         if (kept is None or kept.mesh is not mesh or kept.param_dtype != param_dtype
                 or kept.outer_size != outer_size or kept.local_shape != self._tensor.shape):
             return None
-        entries, names = kept.entries, self._cast_names()
+        entries, names = kept.entries, self._cast_names() if names is None else names
         # Current while each cast's _scales entry is still the very one it was made from (all at
         # one version, the current one): tested without a Python frame per cast.
         if (entries is not None and len(entries) == len(names) and entries[0][1][0] == self.weight_version()
