@@ -613,18 +613,20 @@ def _kept_inputs(kept: _KeptGather, now: tuple, slots: tuple) -> tuple:
     (version, scale, payload))`` each): the same tensors, in the same places, as
     ``add_all_gather_input`` and ``finish_all_gather_inputs`` put them for those casts."""
     inputs: list = [None] * kept.n_inputs
-    entries = []
+    entries, tensors = [], []  # tensors: as gather_metadata finds them
     for (name, slot, scale, meta), (_, (_, s, data)) in zip(kept.layout, now):
         if slot is _LOCAL:
             slot = _LocalPayload(data.view(torch.uint8))
+            tensors.append(slot.data)
         elif name in slots:
             inputs[slot] = data.view(torch.uint8)
         if scale is None:
             scale = s
+            tensors.append(s)
         else:
             inputs[scale.slot] = s.contiguous().view(torch.uint8)
         entries.append((name, slot, scale, meta))
-    return tuple(inputs), gather_metadata(tuple(entries), slots, kept.n, kept.layout)
+    return tuple(inputs), GatherMeta(tuple(entries), slots, kept.n, kept.layout, tuple(tensors))
 
 
 class _ScaleOnly(NamedTuple):
