@@ -4,7 +4,9 @@ A Qwen3 built from a config (no download), fp32 master weights, FSDP2 on every d
 on the root (``MixedPrecisionPolicy(param_dtype=bf16)``), AdamW, the fp8 all-gather on; every
 optimizer step precomputes the casts (the default). Per recipe and ``reshard_after_forward``:
 the median host time of one ``fsdp_pre_all_gather`` and one ``fsdp_post_all_gather`` call over
-the steps after the warm-up, the calls per step, and the median step. The model is small on
+the steps after the warm-up, and of FSDP2's calls that run them (``FSDPParam.all_gather_inputs``:
+reading the hook, its signature and calling it; ``FSDPParam.init_unsharded_param``), the
+all-gathers per step, and the median step. The model is small on
 purpose: what shows is the hooks' Python, which FSDP2 runs eagerly before every all-gather.
 
     torchrun --nproc-per-node 2 examples/fsdp_hook_cost.py --device cpu
@@ -15,6 +17,7 @@ Runs on GPUs (NCCL) or CPUs (gloo).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -29,18 +32,26 @@ from fp8func.distributed import Fp8AllGatherWeight
 
 
 class HookTimer:
-    """Times every call of the two FSDP2 hooks of the fp8 all-gather weights while entered."""
+    """Times every call of the two FSDP2 hooks of the fp8 all-gather weights while entered, and
+    FSDP2's calls around them (``FSDPParam.all_gather_inputs``: binding the pre-all-gather hook,
+    reading its signature, calling it; ``FSDPParam.init_unsharded_param``: the post-all-gather
+    hook's caller) for those weights."""
 
     def __init__(self):
-        self.calls: dict[str, list[list[float]]] = {"pre": [], "post": []}
-        self._pre = Fp8AllGatherWeight.__dict__["fsdp_pre_all_gather"]  # signed_hook: calls its _fn
-        self._orig = (self._pre._fn, Fp8AllGatherWeight.fsdp_post_all_gather)
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
-    def _timed(self, fn, name):
+        self.calls: dict[str, list[list[float]]] = {k: [] for k in ("pre", "post", "fsdp_pre", "fsdp_post")}
+        self._pre = Fp8AllGatherWeight.__dict__["fsdp_pre_all_gather"]  # a signed_hook; .fn: the method
+        self._post = Fp8AllGatherWeight.fsdp_post_all_gather
+        self._fsdp = (FSDPParam, FSDPParam.__dict__["all_gather_inputs"], FSDPParam.init_unsharded_param)
+
+    def _timed(self, fn, name, ours=None):
+        @functools.wraps(fn)  # FSDP2 reads the pre-all-gather hook's signature
         def call(*args, **kwargs):
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            self.calls[name][-1].append(time.perf_counter() - t0)
+            if ours is None or ours(args[0]):
+                self.calls[name][-1].append(time.perf_counter() - t0)
             return out
 
         return call
@@ -50,13 +61,19 @@ class HookTimer:
             v.append([])
 
     def __enter__(self):
-        self._pre._fn = self._timed(self._orig[0], "pre")
-        Fp8AllGatherWeight.fsdp_post_all_gather = self._timed(self._orig[1], "post")
+        cls, inputs, init = self._fsdp
+        ours = lambda fsdp_param: isinstance(fsdp_param._sharded_local_tensor, Fp8AllGatherWeight)  # noqa: E731
+        Fp8AllGatherWeight.fsdp_pre_all_gather = type(self._pre)(self._timed(self._pre.fn, "pre"))
+        Fp8AllGatherWeight.fsdp_post_all_gather = self._timed(self._post, "post")
+        cls.all_gather_inputs = property(self._timed(inputs.fget, "fsdp_pre", ours))
+        cls.init_unsharded_param = self._timed(init, "fsdp_post", ours)
         return self
 
     def __exit__(self, *exc):
-        self._pre._fn = self._orig[0]
+        cls, inputs, init = self._fsdp
+        Fp8AllGatherWeight.fsdp_pre_all_gather = self._pre
         del Fp8AllGatherWeight.fsdp_post_all_gather  # the inherited one again
+        cls.all_gather_inputs, cls.init_unsharded_param = inputs, init
 
 
 def run(args, mesh, device, recipe: str, reshard: bool) -> dict:
@@ -102,11 +119,13 @@ def main():
             r = run(args, mesh, device, recipe, reshard)
             rows.append({"recipe": recipe, "reshard_after_forward": reshard, **r})
     if dist.get_rank() == 0:
-        lines = [f"| {r['recipe']} | {r['reshard_after_forward']} | {r['pre_us']:.1f} | {r['pre_calls']} | "
-                 f"{r['post_us']:.1f} | {r['post_calls']} | {r['step_ms']:.1f} |" for r in rows]
+        lines = [f"| {r['recipe']} | {r['reshard_after_forward']} | {r['pre_calls']} | {r['pre_us']:.1f} | "
+                 f"{r['fsdp_pre_us']:.1f} | {r['post_us']:.1f} | {r['fsdp_post_us']:.1f} | {r['step_ms']:.1f} |"
+                 for r in rows]
         emit(args, environment(dist.get_world_size(), args.device), model_line(args),
-             "| recipe | reshard_after_forward | pre-all-gather us/call | calls/step | post-all-gather us/call "
-             "| calls/step | step ms |", lines, {"rows": rows})
+             "| recipe | reshard_after_forward | gathers/step | pre-all-gather hook us/call | FSDP2 all_gather_inputs "
+             "us/call | post-all-gather hook us/call | FSDP2 init_unsharded_param us/call | step ms |",
+             lines, {"rows": rows})
     dist.destroy_process_group()
 
 

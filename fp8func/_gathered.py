@@ -86,6 +86,7 @@ class Fp8GatheredWeight(torch.Tensor):
         for name, q in casts.items():
             setattr(self, f"_{name}_data", q.data)
             setattr(self, f"_{name}_scale", q.scale)
+        self._flat = None  # __tensor_flatten__'s answer for these casts, made at its first call
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -109,11 +110,14 @@ class Fp8GatheredWeight(torch.Tensor):
         )
 
     def __tensor_flatten__(self):
-        names = []
-        for name in self._casts:
-            names += [f"_{name}_data", f"_{name}_scale"]
-        ctx = tuple((name, q.meta) for name, q in self._casts.items())
-        return names, (ctx, tuple(self.shape), self.dtype, self._valid)
+        # Kept until the casts change: a compiled function's guards flatten every input of this
+        # type twice at every call.
+        if self._flat is None:
+            names = [f"_{name}_{part}" for name in self._casts for part in ("data", "scale")]
+            ctx = tuple((name, q.meta) for name, q in self._casts.items())
+            self._flat = (names, (ctx, tuple(self.shape), self.dtype, self._valid))
+        names, ctx = self._flat
+        return list(names), ctx
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):

@@ -1,5 +1,7 @@
 """FSDP2 with fp32 master weights and bf16 mixed precision: fp8 all-gather on == off, bitwise."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -338,9 +340,10 @@ def _precomputed_run(rank, world_size, recipe, on, reshard, compiled, steps=4, p
     def counting(fn, counts):
         return lambda *a, **k: (counts.__setitem__(-1, counts[-1] + in_hook[0]), fn(*a, **k))[1]
 
-    hook = fsdp_mod.Fp8AllGatherWeight.__dict__["fsdp_pre_all_gather"]
-    orig_hook = hook._fn
+    hook = fsdp_mod.Fp8AllGatherWeight.__dict__["fsdp_pre_all_gather"]  # a signed_hook
+    orig_hook = hook.fn
 
+    @functools.wraps(orig_hook)  # FSDP2 reads the hook's signature
     def pre_hook(weight, *a, **k):
         in_hook[0] = True
         try:
@@ -356,7 +359,7 @@ def _precomputed_run(rank, world_size, recipe, on, reshard, compiled, steps=4, p
     restore = [(mod, n, getattr(mod, n)) for mod, n, _ in patched]
     for mod, n, counts in patched:
         setattr(mod, n, counting(getattr(mod, n), counts))
-    hook._fn = pre_hook
+    fsdp_mod.Fp8AllGatherWeight.fsdp_pre_all_gather = fsdp_mod.signed_hook(pre_hook)
     dump = torch._C._distributed_c10d._dump_fr_trace
     last = max((e["record_id"] for e in pickle.loads(dump(True, False, False)).get("entries", [])), default=-1)
     losses, colls, kept = [], [], []
@@ -383,7 +386,7 @@ def _precomputed_run(rank, world_size, recipe, on, reshard, compiled, steps=4, p
                     spec = dict(weight_casts(poked.plan))["w"]
                     fresh.append(fsdp_mod.cast(poked.hp_values().to(torch.bfloat16), spec)[0].data.view(torch.uint8))
     finally:
-        hook._fn = orig_hook
+        fsdp_mod.Fp8AllGatherWeight.fsdp_pre_all_gather = hook
         for mod, n, fn in restore:
             setattr(mod, n, fn)
     weights = [p.to_local().detach().clone() for p in model.parameters()]

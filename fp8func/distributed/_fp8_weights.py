@@ -51,7 +51,7 @@ from .._sharding import Sharding
 from .._structural import AssignableData
 from ..nn._weights import check_fp8_weights_recipe, notify_all_gather
 from ._fp8_weights_ops import HANDLERS, SHELL_MSG, State, fallback
-from ._fsdp import GatherHooks, add_all_gather_input, finish_all_gather_inputs, signed_hook
+from ._fsdp import GatherHooks, add_all_gather_input, finish_all_gather_inputs, gather_metadata, signed_hook
 
 __all__ = ["Fp8WeightParam", "check_fp8_weights_recipe"]
 
@@ -325,5 +325,5 @@ class Fp8WeightParam(AssignableData, GatherHooks, torch.Tensor):
                                  state.param_dtype)
         entries = finish_all_gather_inputs(inputs, entries)  # appends to inputs
         notify_all_gather(self, module, inputs, mp_policy)
-        return tuple(inputs), (entries, tuple(slots), n)
+        return tuple(inputs), gather_metadata(entries, slots, n)
 
