@@ -18,7 +18,9 @@ FSDP2 fp8 weight scales by itself), no fp32 model. The flags vary what the repor
 or ``none``, ``--callback`` (``fp8func.hf.Fp8Callback`` instead of the convert line), the recipe
 (``bf16`` trains unconverted; ``torchao`` runs the report's own torchao line). ``--fp8-all-gather
 both`` trains twice, on and off, and requires bitwise the same losses, gradient norms and trained
-weights. Each run logs every step's loss and reports its speed after ``--warmup`` steps.
+weights. Each run logs the loss every ``--logging-steps`` steps (every step by default, for that
+check; the report logs every 10) and reports its speed: the median step after ``--warmup``, timed
+on the GPU's stream without a sync of its own.
 
 CPU (gloo, tiny model, about 20 s on 2 cores)::
 
@@ -28,7 +30,7 @@ GPUs (the report's setup at the Qwen3-1.7B shape)::
 
     torchrun --nproc-per-node 2 examples/hf_trainer_report.py --device cuda --recipe tensorwise \\
         --hidden 2048 --intermediate 6144 --layers 28 --heads 16 --kv-heads 8 --vocab 151936 \\
-        --seq 2048 --batch 2 --steps 20 --warmup 10 --fp8-all-gather both
+        --seq 2048 --batch 2 --steps 30 --warmup 10 --logging-steps 10 --fp8-all-gather both
 
 On CPU processes accelerate drops the FSDP plugin (it keeps it for GPUs only):
 ``fp8func.hf.keep_fsdp2_on_cpu`` keeps it there (nothing changes on GPUs). CI runs ``worker``
@@ -99,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(fp8func.distributed.precompute_after_optimizer_step(False))")
     p.add_argument("--warmup", type=int, default=2,
                    help="the speed is the median of the steps after step warmup + 1")
+    p.add_argument("--logging-steps", type=int, default=1,
+                   help="TrainingArguments(logging_steps=...): 1 records every step's loss for the on/off "
+                        "check; the report logs every 10 (each log reads the loss back: a sync)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     p.add_argument("--profile", action="store_true",
                    help="over two steps after warm-up: GPU time by kernel class, and where each rank's GPU waited "
@@ -162,14 +167,13 @@ def train(args, fp8_all_gather: bool, output_dir: str) -> dict:
     fsdp_config = {k: v for k, v in REPORT_FSDP_CONFIG.items() if not (args.no_loading_keys and k in LOADING_KEYS)}
     targs = TrainingArguments(
         output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch, learning_rate=args.lr,
-        weight_decay=0.01, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        weight_decay=0.01, logging_steps=args.logging_steps, save_strategy="no", report_to="none", disable_tqdm=True,
         log_level="error", remove_unused_columns=False, bf16=True, use_cpu=args.device == "cpu", seed=0,
         dataloader_num_workers=0, torch_compile=args.compile == "trainer",
         fsdp="full_shard auto_wrap", fsdp_config=fsdp_config)
     logged: dict[str, list[float]] = {"loss": [], "grad_norm": []}
-    marks: list[float] = []
+    marks: list = []  # the end of each step: a CUDA event on GPUs (no sync), the host's clock on CPUs
     profiled: dict = {}
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     class Record(TrainerCallback):
         def on_log(self, a, state, control, logs=None, **kw):
@@ -178,8 +182,11 @@ def train(args, fp8_all_gather: bool, output_dir: str) -> dict:
                     logged[k].append(float(logs[k]))
 
         def on_step_end(self, a, state, control, **kw):
-            sync()
-            marks.append(time.perf_counter())
+            if args.device == "cuda":
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
+            else:
+                marks.append(time.perf_counter())
 
     callbacks = [Record()]
     if args.callback:
@@ -194,7 +201,11 @@ def train(args, fp8_all_gather: bool, output_dir: str) -> dict:
     gathers = []
     with f8.nn.observe_all_gathers(lambda *a: gathers.append(1)):
         trainer.train()
-    steps = [b - a for a, b in zip(marks[args.warmup:-1], marks[args.warmup + 1:])]
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+        steps = [a.elapsed_time(b) / 1e3 for a, b in zip(marks[args.warmup:-1], marks[args.warmup + 1:])]
+    else:
+        steps = [b - a for a, b in zip(marks[args.warmup:-1], marks[args.warmup + 1:])]
     step_s = statistics.median(steps) if steps else float("nan")
     checksum = sum(float((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum())
                    for p in trainer.model.parameters())
@@ -233,8 +244,8 @@ class _Profiler(TrainerCallback):
 
 
 def check(result: dict, args, fp8_all_gather: bool) -> None:
-    if len(result["loss"]) != args.steps or not all(math.isfinite(x) for x in result["loss"]):
-        raise RuntimeError(f"expected {args.steps} finite losses, got {result['loss']}")
+    if len(result["loss"]) != args.steps // args.logging_steps or not all(math.isfinite(x) for x in result["loss"]):
+        raise RuntimeError(f"expected {args.steps // args.logging_steps} finite losses, got {result['loss']}")
     fp8 = args.recipe not in ("bf16", "torchao") and fp8_all_gather and args.recipe != "delayed"
     if fp8 != (result["fp8_gathers"] > 0):
         raise RuntimeError(f"fp8 all-gather {'on' if fp8_all_gather else 'off'} ({args.recipe}), yet "

@@ -29,7 +29,7 @@ from ._triton_amax import amax_programs, launch_amax_2d, launch_amax_flat
 from ._triton_block import MAX_ROW_K, launch_quant, launch_quant_t, rowwise_tile
 from ._triton_cast import cast_partials, launch_cast, launch_cast_many, launch_cast_rows_cols, launch_transpose
 
-__all__ = ["amax", "amax_rows_cols", "cast", "cast_amax", "cast_rows_cols", "quantize"]
+__all__ = ["amax", "amax_rows_cols", "cast", "cast_amax", "cast_many", "cast_rows_cols", "quantize", "transpose"]
 
 
 def _groups(g: Granularity) -> tuple[int, int]:
