@@ -64,9 +64,11 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
     losses, covered = [], []
     used = []
     import fp8func.distributed._fsdp as fsdp_mod
+    import fp8func.distributed._precompute as precompute_mod
 
     fresh = []  # scales the pre-all-gather hook computed (amax and its all-reduce), not reused
     restore = {fn_name: getattr(fsdp_mod, fn_name) for fn_name in ("cast", "scale_for_cast", "cast_with_scale")}
+    restore_precompute = precompute_mod.cast_with_scale
     for fn_name in ("cast", "scale_for_cast"):
         def count(*a, _orig=restore[fn_name], **k):
             fresh.append(1)
@@ -80,7 +82,8 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
             used.append(1)
             return orig(*a, **k)
 
-        fsdp_mod.cast_with_scale = counting
+        # the hooks' casts with a kept scale, and precompute_scales' own
+        fsdp_mod.cast_with_scale = precompute_mod.cast_with_scale = counting
     with _CountAllGather() as counter:
         for step in range(steps):
             ids, labels = batch(step, rank)
@@ -93,6 +96,7 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
             losses.append(loss.detach().float().item())
     for fn_name, fn in restore.items():
         setattr(fsdp_mod, fn_name, fn)
+    precompute_mod.cast_with_scale = restore_precompute
     n_layers = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, f8.nn.Fp8Linear))
     n_root = model.lm_head.weight.numel() if isinstance(model.lm_head, f8.nn.Fp8Linear) else 0
     return {"losses": losses, "bytes": counter.bytes, "fp8_numel_layers": n_layers, "fp8_numel_root": n_root,
@@ -223,12 +227,12 @@ def test_every_optimizer_step_precomputes_the_scales():
 def _precompute_twice(rank, world_size):
     """One step with the automatic precompute, then precompute_scales twice: both cover every weight,
     and only the step's own made an all-reduce (the kept payloads are current after it)."""
-    import fp8func.distributed._fsdp as fsdp_mod
+    import fp8func.distributed._precompute as precompute_mod
 
     model, opt = _model_and_opt(world_size)
     reduced = []
-    orig = fsdp_mod._reduce_max_eager
-    fsdp_mod._reduce_max_eager = lambda *a: reduced.append(1) or orig(*a)
+    orig = precompute_mod._reduce_max_eager
+    precompute_mod._reduce_max_eager = lambda *a: reduced.append(1) or orig(*a)
     try:
         ids, labels = batch(0, rank)
         model(input_ids=ids, labels=labels).loss.backward()
@@ -236,7 +240,7 @@ def _precompute_twice(rank, world_size):
         after_step = len(reduced)
         return after_step, f8.precompute_scales(model), f8.precompute_scales(model), len(reduced)
     finally:
-        fsdp_mod._reduce_max_eager = orig
+        precompute_mod._reduce_max_eager = orig
 
 
 def _rowwise_all_reduces(rank, world_size, auto, one_read=False):
@@ -246,12 +250,12 @@ def _rowwise_all_reduces(rank, world_size, auto, one_read=False):
     one cast pass; here their PyTorch twins), counted."""
     import torch.distributed._functional_collectives as funcol
 
-    import fp8func.distributed._fsdp as fsdp_mod
+    import fp8func.distributed._precompute as precompute_mod
     import fp8func.kernels as fk
 
-    one_reads, orig_rc, orig_uk = [], fk.cast_rows_cols, fsdp_mod.use_kernels
+    one_reads, orig_rc, orig_uk = [], fk.cast_rows_cols, precompute_mod.use_kernels
     if one_read:
-        fsdp_mod.use_kernels = lambda t, spec: True
+        precompute_mod.use_kernels = lambda t, spec: True
         fk.cast_rows_cols = lambda *a, **k: one_reads.append(1) or orig_rc(*a, **k)
     f8.distributed.precompute_after_optimizer_step(auto)
     model, opt = _model_and_opt(world_size, "rowwise", layers=2, lr=3e-3)
@@ -263,7 +267,7 @@ def _rowwise_all_reduces(rank, world_size, auto, one_read=False):
         losses = _counted_steps(model, opt, rank, 3, counts)
     finally:
         funcol.all_reduce, dist.all_reduce = orig, orig_c10d
-        fk.cast_rows_cols, fsdp_mod.use_kernels = orig_rc, orig_uk
+        fk.cast_rows_cols, precompute_mod.use_kernels = orig_rc, orig_uk
         f8.distributed.precompute_after_optimizer_step(True)
     weights = [p.to_local().detach().clone() for p in model.parameters()]
     return {"losses": losses, "counts": counts, "weights": weights, "one_reads": len(one_reads)}
@@ -640,7 +644,7 @@ def _special_shards(device) -> list[torch.Tensor]:
 def test_precompute_amaxes_are_bitwise_the_hooks(param_dtype):
     """precompute_scales' multi-tensor amax of the masters equals the amax of each shard cast to
     the param dtype (what the pre-all-gather hook casts), bitwise, NaN and inf included."""
-    from fp8func.distributed._fsdp import shard_amaxes, shard_amaxes_reference
+    from fp8func.distributed._precompute import shard_amaxes, shard_amaxes_reference
 
     shards = _special_shards("cpu")
     dtypes = [param_dtype] * len(shards)
@@ -706,10 +710,10 @@ def test_cast_kept_groups_are_bitwise_each_weights_cast(monkeypatch):
     """precompute_scales' casts, one kernel launch per kind of shard (``kernels.cast_many``; its
     twin on the CPU): bitwise ``cast_with_scale`` per weight, for fp32 masters rounded to bf16,
     bf16 shards, fp32 kept in fp32, E4M3 and E5M2 weights."""
-    import fp8func.distributed._fsdp as fsdp_mod
+    import fp8func.distributed._precompute as precompute_mod
     from fp8func.distributed import Fp8AllGatherWeight
 
-    monkeypatch.setattr(fsdp_mod, "use_kernels", lambda t, spec: True)  # the grouped path, on the CPU
+    monkeypatch.setattr(precompute_mod, "use_kernels", lambda t, spec: True)  # the grouped path, on the CPU
     g = torch.Generator().manual_seed(0)
     e5m2 = f8.Recipe(weight=f8.CastSpec(f8.E5M2), name="e5m2 weights")
     kinds = [(torch.float32, torch.bfloat16, "tensorwise"), (torch.bfloat16, torch.bfloat16, "tensorwise"),
@@ -721,10 +725,10 @@ def test_cast_kept_groups_are_bitwise_each_weights_cast(monkeypatch):
         w._param_dtype = param_dtype
         weights.append(w)
     scales = torch.rand(len(weights), 4, generator=g) * 0.1 + 1e-3
-    fsdp_mod._cast_kept(weights, scales)
+    precompute_mod._cast_kept(weights, scales)
     for i, w in enumerate(weights):
         version, scale, data = w._scales["w"]
-        want = fsdp_mod.cast_with_scale(w._tensor, scales[i:i + 1, :1], w._plan.output.b, round_to=w._param_dtype)
+        want = precompute_mod.cast_with_scale(w._tensor, scales[i:i + 1, :1], w._plan.output.b, round_to=w._param_dtype)
         assert version == w.weight_version() and torch.equal(scale, scales[i:i + 1, :1])
         assert data.dtype == w._plan.output.b.dtype and torch.equal(data.view(torch.uint8), want.data.view(torch.uint8))
 
@@ -773,7 +777,7 @@ def test_rowwise_casts_from_one_read_are_bitwise_the_hooks_casts(device, monkeyp
     bitwise, but for a NaN scale and its group, NaN in both (the NaN's bits are those of the
     reduction that made it, which differ between PyTorch's row and column amaxes on the CPU).
     An fp16 param dtype (which the kernel does not round to) takes the slow path."""
-    import fp8func.distributed._fsdp as fsdp_mod
+    import fp8func.distributed._precompute as precompute_mod
     import fp8func.kernels as fk
     from fp8func.distributed import Fp8AllGatherWeight
 
@@ -791,8 +795,8 @@ def test_rowwise_casts_from_one_read_are_bitwise_the_hooks_casts(device, monkeyp
     calls, orig = [], fk.cast_rows_cols
     monkeypatch.setattr(fk, "cast_rows_cols", lambda *a, **k: calls.append(a[0].shape) or orig(*a, **k))
     if device == "cpu":
-        monkeypatch.setattr(fsdp_mod, "use_kernels", lambda t, spec: True)
-    assert fsdp_mod._precompute_casts(fast) == len(fast)
+        monkeypatch.setattr(precompute_mod, "use_kernels", lambda t, spec: True)
+    assert precompute_mod._precompute_casts(fast) == len(fast)
     assert len(calls) == len(fast) - 1  # all but the fp16 one
     for i, (a, b) in enumerate(zip(fast, slow)):
         assert a._payloads_kept() and sorted(a._scales) == sorted(b._scales) == ["w", "w_t"], i
@@ -855,7 +859,7 @@ def test_gathered_weights_are_rebuilt_only_when_their_bytes_or_scales_change():
 def test_precompute_amaxes_on_gpu_are_bitwise_the_hooks(param_dtype):
     """The multi-tensor amax of precompute_scales on CUDA (NaN, inf, ties, subnormals, empty):
     bitwise the amax of each shard cast to the param dtype."""
-    from fp8func.distributed._fsdp import shard_amaxes, shard_amaxes_reference
+    from fp8func.distributed._precompute import shard_amaxes, shard_amaxes_reference
 
     shards = _special_shards("cuda")
     dtypes = [param_dtype] * len(shards)

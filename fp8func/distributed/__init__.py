@@ -21,8 +21,8 @@ from ._fp8_weights import Fp8WeightParam as Fp8WeightParam
 from ._fsdp import Fp8AllGatherWeight as Fp8AllGatherWeight
 from ._fsdp import Fp8GatheredWeight as Fp8GatheredWeight
 from ._fsdp import chunk_sizes as chunk_sizes
-from ._fsdp import precompute_after_optimizer_step as precompute_after_optimizer_step
-from ._fsdp import precompute_scales as precompute_scales
+from ._precompute import precompute_after_optimizer_step as precompute_after_optimizer_step
+from ._precompute import precompute_scales as precompute_scales
 from ._tp import Fp8ColwiseParallel as Fp8ColwiseParallel
 from ._tp import Fp8RowwiseParallel as Fp8RowwiseParallel
 from ._tp import PrepareFp8ModuleInput as PrepareFp8ModuleInput
