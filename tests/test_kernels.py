@@ -276,6 +276,30 @@ def test_config_check_names_what_the_route_needs(route, cfg, match):
         pass
 
 
+def test_static_launches_turns_inductors_static_launcher_on_unless_set():
+    # A fresh process each: the setting is process-wide. Default: on after the call; set by the
+    # user in code or by the environment: that choice stands.
+    import subprocess
+    import sys
+
+    code = ("import torch._inductor.config as c\n"
+            "from fp8func.kernels._configs import static_launches\n"
+            "{pre}print(static_launches(), c.static_launch_user_defined_triton_kernels)")
+    env_var = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+
+    def run(pre="", env=None):
+        import os
+
+        full = {k: v for k, v in os.environ.items() if k != env_var} | (env or {})
+        out = subprocess.run([sys.executable, "-c", code.format(pre=pre)], env=full, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert run() == ["True", "True"]
+    assert run(pre="c.static_launch_user_defined_triton_kernels = False\n") == ["False", "False"]
+    assert run(env={env_var: "0"}) == ["False", "False"]
+
+
 def test_sweep_candidates_are_runnable_and_include_the_frozen_configs():
     """The sweep (a GPU tool) imports on the CPU, covers every route, and each candidate passes
     the route's check; the frozen configuration is among them, so a re-sweep can keep it."""

@@ -22,7 +22,7 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["CONFIGS", "Config", "check", "config", "override"]
+__all__ = ["CONFIGS", "Config", "check", "config", "override", "static_launches"]
 
 
 @dataclass(frozen=True)
@@ -138,3 +138,26 @@ def override(route: str, cfg: Config) -> Iterator[Config]:
             del _OVERRIDES[route]
         else:
             _OVERRIDES[route] = prev
+
+
+_STATIC = "static_launch_user_defined_triton_kernels"
+
+
+def static_launches() -> bool:
+    """Lets ``torch.compile`` launch these kernels as it launches its own generated ones: through
+    inductor's static CUDA launcher, a C call, instead of Triton's launcher, whose Python (launch
+    metadata, hooks, allocator) costs the host about twice as much per launch. Sets
+    ``torch._inductor.config.static_launch_user_defined_triton_kernels`` (off by default in torch)
+    unless it was set already (in code or by its environment variable
+    ``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS``): that choice stands. Inductor
+    checks each kernel and launches any that the static launcher cannot take through Triton, as
+    before, so the setting changes host time only: the same binaries run. Called where the Triton
+    backend is first imported, before any graph holding these kernels is compiled. Returns the
+    setting in force.
+    """
+    from torch._inductor import config as inductor_config
+
+    is_default = getattr(inductor_config, "_is_default", None)
+    if hasattr(inductor_config, _STATIC) and is_default is not None and is_default(_STATIC):
+        setattr(inductor_config, _STATIC, True)
+    return bool(getattr(inductor_config, _STATIC, False))

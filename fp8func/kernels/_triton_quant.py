@@ -23,7 +23,7 @@ from torch.library import triton_op
 
 from .._formats import tracing
 from .._scaling import AxisWise, CastSpec, Granularity, TensorWise, compute_scale
-from ._configs import config
+from ._configs import config, static_launches
 from ._dispatch import plain_eager
 from ._triton_amax import amax_programs, launch_amax_2d, launch_amax_flat
 from ._triton_block import MAX_ROW_K, launch_quant, launch_quant_t, rowwise_tile
@@ -156,6 +156,8 @@ def _quantize_op_fn(x: torch.Tensor, dtype: torch.dtype, pow2: bool, gm: int, gk
         launch_quant(x, data, scale, gm == gk, pow2, gk if gm == gk else cfg.bm, gk, cfg)
     return data, scale, data_t, scale_t
 
+
+static_launches()  # inductor launches these kernels as its own (a C call per launch), unless set otherwise
 
 _amax_op = triton_op("fp8func::kernels_amax", mutates_args=())(_amax_op_fn)
 _cast_op = triton_op("fp8func::kernels_cast", mutates_args=())(_cast_op_fn)
