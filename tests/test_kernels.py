@@ -6,8 +6,11 @@ the power-of-two round-up), not from fp8func's helpers, so a wrong twin fails he
 """
 
 import copy
+import os
 import random
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -279,17 +282,12 @@ def test_config_check_names_what_the_route_needs(route, cfg, match):
 def test_static_launches_turns_inductors_static_launcher_on_unless_set():
     # A fresh process each: the setting is process-wide. Default: on after the call; set by the
     # user in code or by the environment: that choice stands.
-    import subprocess
-    import sys
-
     code = ("import torch._inductor.config as c\n"
             "from fp8func.kernels._configs import static_launches\n"
             "{pre}print(static_launches(), c.static_launch_user_defined_triton_kernels)")
     env_var = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
     def run(pre="", env=None):
-        import os
-
         full = {k: v for k, v in os.environ.items() if k != env_var} | (env or {})
         out = subprocess.run([sys.executable, "-c", code.format(pre=pre)], env=full, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr

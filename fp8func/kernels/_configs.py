@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -152,7 +153,9 @@ def static_launches() -> bool:
     ``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS``): that choice stands. Inductor
     checks each kernel and launches any that the static launcher cannot take through Triton, as
     before, so the setting changes host time only: the same binaries run. Called where the Triton
-    backend is first imported, before any graph holding these kernels is compiled. Returns the
+    backend is first imported, before any graph holding these kernels is compiled; logged at INFO
+    (``fp8func.kernels``) when it sets it, as inductor logs each kernel it launches through
+    Triton's launcher instead ("Bypassing StaticallyLaunchedCudaKernel", INFO). Returns the
     setting in force.
     """
     from torch._inductor import config as inductor_config
@@ -160,4 +163,7 @@ def static_launches() -> bool:
     is_default = getattr(inductor_config, "_is_default", None)
     if hasattr(inductor_config, _STATIC) and is_default is not None and is_default(_STATIC):
         setattr(inductor_config, _STATIC, True)
+        logging.getLogger("fp8func.kernels").info(
+            "fp8func.kernels: set torch._inductor.config.%s = True (inductor's static launcher for the "
+            "Triton kernels; set it or %s yourself to choose)", _STATIC, "TORCHINDUCTOR_" + _STATIC.upper())
     return bool(getattr(inductor_config, _STATIC, False))
