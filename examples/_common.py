@@ -64,14 +64,17 @@ def shard_2d(model, mesh, model_plan: dict, block_plan: dict, per_layer=None):
     decoder layer), then FSDP2 over ``mesh["dp"]`` per layer and at the root, fp32 masters with bf16
     compute. ``per_layer`` (optional) runs on each TP-sharded decoder layer before FSDP2 and returns
     the module that takes its place (activation checkpointing, compile: torchtitan's order).
+    With one TP rank the plans are not applied (FSDP2 alone, as torchtitan runs ``tp=1``): a
+    one-rank TP mesh moves nothing and would make every weight and activation a DTensor.
     Returns the (tp, dp) submeshes used (``submesh``: one object each per process)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp_mesh, dp_mesh = submesh(mesh, "tp"), submesh(mesh, "dp")
-    parallelize_module(model, tp_mesh, model_plan)
-    for layer in model.model.layers:
-        parallelize_module(layer, tp_mesh, block_plan)
+    if tp_mesh.size() > 1:
+        parallelize_module(model, tp_mesh, model_plan)
+        for layer in model.model.layers:
+            parallelize_module(layer, tp_mesh, block_plan)
     if per_layer is not None:
         for i, layer in enumerate(model.model.layers):
             model.model.layers[i] = per_layer(layer)

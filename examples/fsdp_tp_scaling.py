@@ -1,7 +1,8 @@
 """FSDP2 x sequence-parallel TP at Llama-3-8B layer sizes: bf16, torchao and fp8func in one table.
 
 One launch, one 2-D mesh ("dp", "tp"): FSDP2 over dp (fp32 master weights, bf16 compute through
-``MixedPrecisionPolicy``), sequence-parallel TP over tp (the layout of examples/fsdp_tp_2d.py).
+``MixedPrecisionPolicy``), sequence-parallel TP over tp (the layout of examples/fsdp_tp_2d.py);
+with ``--tp 1`` FSDP2 alone, as torchtitan runs it (no TP styles on a one-rank group).
 Each configuration rebuilds the model (HF ``LlamaForCausalLM`` from a config, no download) from
 the same seed and trains ``--steps`` steps on the same data (lm_head bf16 everywhere unless ``--fp8-lm-head``;
 tensorwise FSDP2 fp8 weight scales precomputed after each optimizer step in both libraries
@@ -747,7 +748,8 @@ def report(args, rows, world, mesh) -> None:
                    f"{args.kv_heads} kv, vocab {args.vocab}, seq {args.seq}, batch {args.batch} per dp rank, "
                    f"{args.steps} steps ({args.warmup} warm-up), {args.attn} attention, fp32 master + bf16 "
                    f"MixedPrecisionPolicy, AdamW ({args.optimizer}) lr {args.lr}, "
-                   "FSDP2 over dp x sequence-parallel TP over tp, "
+                   + ("FSDP2 over dp x sequence-parallel TP over tp, " if args.tp > 1
+                      else "FSDP2 over dp (tp=1: no TP styles), ") +
                    f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'} in the FP8 configs, tensorwise weight "
                    "scales "
                    f"{'precomputed after each optimizer step' if args.precompute_scales else 'in the FSDP2 hook'}. "

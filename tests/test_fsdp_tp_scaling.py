@@ -180,8 +180,9 @@ def test_activation_checkpointing_full_and_selective(tmp_path, tp):
     checkpointing (recomputation changes memory, not numbers), and fp8func tensorwise's FSDP2 fp8
     all-gather still changes no loss. A row-wise layer with the fp8 all-gather on refuses the
     recomputed forward (docs/fsdp.md): its row says so, n/a, and the run goes on. Delayed scaling
-    runs under full checkpointing, bitwise; under selective, the recomputed layer passes the state
-    its forward returned, so its ops differ from the forward's and the selective cache misses."""
+    runs under full checkpointing, bitwise; under selective with TP, the recomputed layer passes the
+    state its forward returned, so its ops differ from the forward's and the selective cache misses
+    (with one TP rank the layers are FSDP2's alone, no TP styles, and it runs, bitwise)."""
     argv = [*ARGV[:ARGV.index("--configs")], "--tp", str(tp), "--configs", ",".join(AC_CONFIGS)]
     runs = {}
     for ac in ("none", "full", "selective"):
@@ -203,7 +204,7 @@ def test_activation_checkpointing_full_and_selective(tmp_path, tp):
         else:
             assert "activation checkpointing recomputes the forward" in rowwise["error"], rowwise.get("error")
         delayed = rows["fp8func-delayed"]
-        if ac == "selective":
+        if ac == "selective" and tp > 1:  # the state's buffers are DTensors of the TP mesh there
             assert "not found in storage" in delayed["error"], delayed.get("error")
         else:
             assert "error" not in delayed and delayed["losses"] == runs["none"]["fp8func-delayed"]["losses"], delayed
