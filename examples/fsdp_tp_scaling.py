@@ -37,10 +37,12 @@ Activation checkpointing (``--ac``, default ``none``) wraps each decoder layer i
 ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``, no RNG state kept: the model has
 no dropout). ``full`` recomputes the whole layer in the backward; ``selective`` is torchtitan's
 op-level policy (``create_selective_checkpoint_contexts``): the outputs of the matmuls
-(``aten.mm``, ``aten._scaled_mm``), of attention (the sdpa flash / efficient / cuDNN / CPU kernels)
-and of the functional reduce-scatters and all-reduces are saved, everything else is recomputed
-(every matmul output is saved, not every second one). Under ``--ac``, a configuration that raises
-is reported n/a with the reason instead of stopping the run. With torch 2.13:
+(``aten.mm``, ``aten._scaled_mm``), of attention (the sdpa flash / efficient / cuDNN / CPU kernels),
+of ``aten.max`` (torchao's amaxes) and of the functional reduce-scatters and all-reduces are saved,
+everything else is recomputed (every matmul output is saved, not every second one); the fp8func
+configurations pass that list through ``fp8func.nn.selective_checkpoint_policy``, which also keeps
+the layers' FP8 input casts for the backward (``--no-sac-keep-casts``: the list alone). Under
+``--ac``, a configuration that raises is reported n/a with the reason instead of stopping the run. With torch 2.13:
 
 * ``fp8func-rowwise`` (fp8 all-gather on), eager: the layer refuses a forward recomputed in the
   backward, where FSDP2 re-gathered only the backward's weight cast (docs/fsdp.md); compiled,
@@ -95,6 +97,7 @@ range over the ranks.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import os
@@ -134,8 +137,9 @@ DEFAULT_CONFIGS = [n for n in CONFIGS
                    if "delayed" not in n and "stock" not in n and n != "fp8func-tensorwise-local-off"]
 AC_MODES = ("none", "full", "selective")
 AC_DESCRIPTION = {"none": "none", "full": "full (checkpoint_wrapper, the whole layer recomputed)",
-                  "selective": "selective, op-level (matmul, attention and reduce-scatter / all-reduce outputs "
-                               "saved, the rest recomputed)"}
+                  "selective": "selective, op-level (matmul, attention, max and reduce-scatter / all-reduce outputs "
+                               "saved, the rest recomputed; fp8func: its input casts saved too)"}
+NO_KEEP = " (--no-sac-keep-casts: the fp8func input casts recomputed)"
 # Dense bf16 tensor-core peak (no sparsity), FLOP/s, by a name torch.cuda.get_device_name() contains.
 # PCIe and NVL parts have lower clocks: not matched here (--peak-tflops gives theirs).
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
@@ -159,27 +163,31 @@ def _ops(*names: str) -> list:
     return found
 
 
-# torchtitan's op-level selective AC: these outputs are saved, every other op is recomputed.
-SAC_SAVE_OPS = _ops("aten.mm", "aten._scaled_mm", "aten._scaled_mm_v2",
+# torchtitan's op-level selective AC: these outputs are saved, every other op is recomputed
+# (aten.max: the amax of torchao's float8 casts, which torchtitan keeps for low-precision training).
+SAC_SAVE_OPS = _ops("aten.mm", "aten._scaled_mm", "aten._scaled_mm_v2", "aten.max",
                     "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
                     "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
                     "_c10d_functional.reduce_scatter_tensor", "_c10d_functional.all_reduce")
 
 
-def _sac_context():
+def _sac_context(keep_fp8_casts: bool):
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(SAC_SAVE_OPS)  # a list: MUST_SAVE these, PREFER_RECOMPUTE the rest
+    # a list: MUST_SAVE these, PREFER_RECOMPUTE the rest; fp8func's policy also keeps its input casts
+    policy = f8.nn.selective_checkpoint_policy(SAC_SAVE_OPS) if keep_fp8_casts else SAC_SAVE_OPS
+    return create_selective_checkpoint_contexts(policy)
 
 
-def apply_ac(layer: torch.nn.Module, mode: str) -> torch.nn.Module:
+def apply_ac(layer: torch.nn.Module, mode: str, keep_fp8_casts: bool = False) -> torch.nn.Module:
     """``layer`` under activation checkpointing ``mode`` (``AC_MODES``): itself for "none", else
-    wrapped in ``checkpoint_wrapper`` (non-reentrant), "selective" with the op-level policy."""
+    wrapped in ``checkpoint_wrapper`` (non-reentrant), "selective" with the op-level policy
+    (``keep_fp8_casts``: through ``fp8func.nn.selective_checkpoint_policy``)."""
     if mode == "none":
         return layer
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    kwargs = {"context_fn": _sac_context} if mode == "selective" else {}
+    kwargs = {"context_fn": functools.partial(_sac_context, keep_fp8_casts)} if mode == "selective" else {}
     return checkpoint_wrapper(layer, preserve_rng_state=False, **kwargs)
 
 
@@ -368,7 +376,7 @@ def build(args, name: str, mesh, device):
     plans = convert(model, name, args.fp8_lm_head)
 
     def per_layer(layer):  # after TP, before FSDP2: AC, then per-layer compile (torchtitan's order)
-        layer = apply_ac(layer, args.ac)
+        layer = apply_ac(layer, args.ac, keep_fp8_casts=CONFIGS[name][0] == "fp8func" and args.sac_keep_casts)
         if args.compile:  # FSDP2's hooks stay eager
             layer.compile(backend=args.compile_backend)
         return layer
@@ -644,6 +652,9 @@ def parse_args():
                    help="activation checkpointing of each decoder layer: full (recompute the layer) or "
                         "selective (torchtitan's op-level policy: save matmul, attention and reduce-scatter / "
                         "all-reduce outputs, recompute the rest)")
+    p.add_argument("--sac-keep-casts", action=argparse.BooleanOptionalAction, default=True,
+                   help="--ac selective, fp8func configs: keep the layers' FP8 input casts for the backward "
+                        "(fp8func.nn.selective_checkpoint_policy) instead of casting the recomputed inputs again")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense bf16 TFLOP/s of one device for the MFU column (default: H100 SXM / H200 "
                         "989; another GPU or the CPU: n/a)")
@@ -753,7 +764,8 @@ def report(args, rows, world, mesh) -> None:
                    f"lm_head {'FP8' if args.fp8_lm_head else 'bf16'} in the FP8 configs, tensorwise weight "
                    "scales "
                    f"{'precomputed after each optimizer step' if args.precompute_scales else 'in the FSDP2 hook'}. "
-                   f"Activation checkpointing per decoder layer: {AC_DESCRIPTION[args.ac]}. "
+                   f"Activation checkpointing per decoder layer: {AC_DESCRIPTION[args.ac]}"
+                   f"{NO_KEEP if args.ac == 'selective' and not args.sac_keep_casts else ''}. "
                    f"MFU: {flops_per_token(args) / 1e9:.3g} GFLOP per token (6 x matmul weights + 12 x layers x "
                    f"hidden x seq) x tokens/s over {world} x the peak dense bf16 FLOP/s "
                    f"({peak_text + ' TFLOP/s' if peak else 'n/a: the CPU or an unlisted GPU; --peak-tflops gives it'})"

@@ -868,3 +868,55 @@ def test_transpose_kernel_is_bitwise_the_reference(dtype):
         ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]
         assert got.shape == want.shape and got.is_contiguous(), shape
         assert torch.equal(got.view(ints), want.view(ints)), (shape, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_selective_checkpoint_policy_keeps_the_input_casts_out_of_the_backward(recipe):
+    """A compiled block under op-level selective checkpointing: with
+    ``fp8func.nn.selective_checkpoint_policy`` the backward launches no cast of the recomputed
+    inputs (fewer cast kernels than with the plain list), and outputs and gradients are bitwise
+    those of the list and of no checkpointing."""
+    import functools
+
+    from torch import nn
+    from torch._inductor.utils import run_and_get_code
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    import fp8func.kernels._triton_quant  # noqa: F401  (registers the op the policy reads)
+
+    args = torch.ops.fp8func.kernels_quantize.default._schema.arguments
+    assert args[6].name == "fuse_amax"  # the argument selective_checkpoint_policy reads
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(512, 1024, bias=False), nn.Linear(1024, 512, bias=False)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.silu(self.up(x * 1.5)))
+
+    def step(fn, x):
+        y = fn(x)
+        y.float().square().sum().backward()
+        return y.detach()
+
+    torch.manual_seed(0)
+    base = f8.convert(Block().cuda().bfloat16(), recipe, fsdp_fp8_all_gather=False)
+    x0 = torch.randn(2048, 512, device="cuda").bfloat16()
+    save = [torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default]
+    results, casts = {}, {}
+    for name, policy in (("none", None), ("list", save), ("policy", f8.nn.selective_checkpoint_policy(save))):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        run = model if policy is None else checkpoint_wrapper(
+            model, preserve_rng_state=False, context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+        x = x0.clone().requires_grad_()
+        y, code = run_and_get_code(step, torch.compile(run, fullgraph=True), x)
+        results[name] = [y, x.grad, *(p.grad for p in model.parameters())]
+        casts[name] = len(re.findall(r"\b_(?:cast|quant)\w*_kernel\w*\.run\(", code[-1]))  # the backward's
+    torch._dynamo.reset()
+    for name in ("list", "policy"):
+        assert all(torch.equal(a, b) for a, b in zip(results["none"], results[name], strict=True)), name
+    assert casts["policy"] < casts["list"], casts

@@ -1,5 +1,7 @@
 """The shell: convert / report / Fp8Linear on ordinary models (single process)."""
 
+import copy
+import functools
 import logging
 
 import pytest
@@ -465,3 +467,74 @@ def test_delayed_linear_under_cuda_graphs():
     for a, b in zip(_six_steps("delayed", "default"), _six_steps("delayed", "reduce-overhead")):
         for t, u in zip(a, b):
             assert torch.equal(t, u)
+
+
+class _QuantizeOp:
+    """The handle ``torch.ops.fp8func.kernels_quantize.default`` has where Triton registers it (its
+    ``name()``), for the policy's routing on machines without the fused kernels."""
+
+    def name(self) -> str:
+        return "fp8func::kernels_quantize"
+
+
+def test_selective_checkpoint_policy_keeps_input_casts_and_defers_the_rest():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
+    policy = f8.nn.selective_checkpoint_policy([mm])
+    assert policy(None, mm) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, add) == CheckpointPolicy.PREFER_RECOMPUTE
+    x, fp8 = torch.zeros(2, 2), torch.float8_e4m3fn
+    # (x, dtype, pow2, gm, gk, transpose, fuse_amax): an input's cast is kept, a weight's recomputed
+    assert policy(None, _QuantizeOp(), x, fp8, False, 0, 0, True, True) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, _QuantizeOp(), x, fp8, False, 0, 0, True, False) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(None, _QuantizeOp(), x, fuse_amax=True) == CheckpointPolicy.MUST_SAVE
+
+    asked = []
+
+    def own(ctx, op, *args, **kwargs):
+        asked.append(op)
+        return CheckpointPolicy.MUST_RECOMPUTE
+
+    policy = f8.nn.selective_checkpoint_policy(own)
+    assert policy(None, add) == CheckpointPolicy.MUST_RECOMPUTE
+    assert policy(None, _QuantizeOp(), x, fp8, False, 0, 0, True, True) == CheckpointPolicy.MUST_SAVE
+    assert asked == [add]
+    with pytest.raises(TypeError, match="expected a list or set of ops"):
+        f8.nn.selective_checkpoint_policy("aten.mm")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_selective_checkpoint_policy_trains_bitwise_as_without_checkpointing(compiled):
+    """A converted block under op-level selective checkpointing with the policy: outputs and
+    gradients bitwise those without checkpointing (and of the plain list policy)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    save = [torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default]
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.silu(self.up(x * 1.5)))
+
+    torch.manual_seed(0)
+    base = f8.convert(Block(), "tensorwise", fsdp_fp8_all_gather=False)
+    x0 = torch.randn(32, 64)
+    results = []
+    for policy in (None, save, f8.nn.selective_checkpoint_policy(save)):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        run = model if policy is None else checkpoint_wrapper(
+            model, preserve_rng_state=False, context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+        fn = torch.compile(run, fullgraph=True) if compiled else run
+        x = x0.clone().requires_grad_()
+        y = fn(x)
+        y.square().sum().backward()
+        results.append([y.detach(), x.grad, *(p.grad for p in model.parameters())])
+    torch._dynamo.reset()
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))

@@ -4,6 +4,7 @@ from ._apply import apply as apply
 from ._apply import next_states as next_states
 from ._apply import scaling_states as scaling_states
 from ._checkpoint import checkpoint_context as checkpoint_context
+from ._checkpoint import selective_checkpoint_policy as selective_checkpoint_policy
 from ._convert import LayerReport as LayerReport
 from ._convert import Report as Report
 from ._convert import convert as convert
@@ -30,4 +31,4 @@ from ._weights import observe_all_gathers as observe_all_gathers
 __all__ = ["Fp8Experts", "Fp8Linear", "Fp8MoE", "LayerCheck", "LayerReport", "MasterWeights", "MoE", "NumericsStats",
            "PrecisionSchedule", "Report", "Router", "SharedInputCasts", "Verification", "apply", "checkpoint_context",
            "convert", "export_fp8", "hook_scaling_states", "next_states", "observe_all_gathers", "plan_conversion",
-           "report", "scaling_states", "tensor_stats", "unconvert", "verify"]
+           "report", "scaling_states", "selective_checkpoint_policy", "tensor_stats", "unconvert", "verify"]
