@@ -21,6 +21,7 @@ import fp8func as f8
 import fp8func.kernels as fk
 from fp8func.kernels import _configs, _dispatch, _reference
 
+from .models import ResidualMlp
 from .strategies import tensors
 
 ROW, B1, B128 = f8.AxisWise(-1), f8.BlockWise((1, 128)), f8.BlockWise((128, 128))
@@ -879,7 +880,6 @@ def test_selective_checkpoint_policy_keeps_the_input_casts_out_of_the_backward(r
     those of the list and of no checkpointing."""
     import functools
 
-    from torch import nn
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -889,21 +889,13 @@ def test_selective_checkpoint_policy_keeps_the_input_casts_out_of_the_backward(r
     args = torch.ops.fp8func.kernels_quantize.default._schema.arguments
     assert args[6].name == "fuse_amax"  # the argument selective_checkpoint_policy reads
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up, self.down = nn.Linear(512, 1024, bias=False), nn.Linear(1024, 512, bias=False)
-
-        def forward(self, x):
-            return x + self.down(torch.nn.functional.silu(self.up(x * 1.5)))
-
     def step(fn, x):
         y = fn(x)
         y.float().square().sum().backward()
         return y.detach()
 
     torch.manual_seed(0)
-    base = f8.convert(Block().cuda().bfloat16(), recipe, fsdp_fp8_all_gather=False)
+    base = f8.convert(ResidualMlp(512, 1024).cuda().bfloat16(), recipe, fsdp_fp8_all_gather=False)
     x0 = torch.randn(2048, 512, device="cuda").bfloat16()
     save = [torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default]
     results, casts = {}, {}

@@ -11,7 +11,7 @@ from torch import nn
 import fp8func as f8
 from fp8func.distributed import Fp8AllGatherWeight
 
-from .models import tiny_qwen3
+from .models import ResidualMlp, tiny_qwen3
 
 
 class Net(nn.Module):
@@ -513,16 +513,8 @@ def test_selective_checkpoint_policy_trains_bitwise_as_without_checkpointing(com
 
     save = [torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default]
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up, self.down = nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False)
-
-        def forward(self, x):
-            return x + self.down(torch.nn.functional.silu(self.up(x * 1.5)))
-
     torch.manual_seed(0)
-    base = f8.convert(Block(), "tensorwise", fsdp_fp8_all_gather=False)
+    base = f8.convert(ResidualMlp(64, 128), "tensorwise", fsdp_fp8_all_gather=False)
     x0 = torch.randn(32, 64)
     results = []
     for policy in (None, save, f8.nn.selective_checkpoint_policy(save)):
