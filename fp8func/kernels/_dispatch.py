@@ -26,6 +26,12 @@ from .._scaling import (
 )
 from . import _reference
 
+# The fused quantize op (registered with the Triton backend) and the position of its ``fuse_amax``
+# argument in (x, dtype, pow2, gm, gk, transpose, fuse_amax): True for a tensor computed in the
+# region being compiled (an activation, a gradient), False for one handed to it (a weight).
+QUANTIZE_OP = "fp8func::kernels_quantize"
+QUANTIZE_FUSE_AMAX_ARG = 6
+
 __all__ = ["IMPLS", "amax", "amax_rows_cols", "cast", "cast_amax", "cast_many", "cast_rows_cols", "quantize",
            "transpose", "triton_available"]
 

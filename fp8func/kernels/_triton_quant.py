@@ -24,7 +24,7 @@ from torch.library import triton_op
 from .._formats import tracing
 from .._scaling import AxisWise, CastSpec, Granularity, TensorWise, compute_scale
 from ._configs import config, static_launches
-from ._dispatch import plain_eager
+from ._dispatch import QUANTIZE_OP, plain_eager
 from ._triton_amax import amax_programs, launch_amax_2d, launch_amax_flat
 from ._triton_block import MAX_ROW_K, launch_quant, launch_quant_t, rowwise_tile
 from ._triton_cast import cast_partials, launch_cast, launch_cast_many, launch_cast_rows_cols, launch_transpose
@@ -162,7 +162,7 @@ static_launches()  # inductor launches these kernels as its own (a C call per la
 _amax_op = triton_op("fp8func::kernels_amax", mutates_args=())(_amax_op_fn)
 _cast_op = triton_op("fp8func::kernels_cast", mutates_args=())(_cast_op_fn)
 _cast_amax_op = triton_op("fp8func::kernels_cast_amax", mutates_args=())(_cast_amax_op_fn)
-_quantize_op = triton_op("fp8func::kernels_quantize", mutates_args=())(_quantize_op_fn)
+_quantize_op = triton_op(QUANTIZE_OP, mutates_args=())(_quantize_op_fn)
 
 
 _plain_launches = getattr(_library_triton, "set_wrap_triton_enabled", None)  # as triton_op's eager kernel runs

@@ -29,20 +29,17 @@ from collections.abc import Callable, Iterable
 
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ..kernels._dispatch import QUANTIZE_FUSE_AMAX_ARG, QUANTIZE_OP
+
 __all__ = ["checkpoint_context", "selective_checkpoint_policy"]
-
-# The fused kernels' quantize op (fp8func.kernels): its last argument says whether the tensor
-# was computed in the region being compiled (an activation or a gradient: ``fuse_amax``) rather
-# than handed to it (a weight, whose kept cast would pin an unsharded copy until the backward).
-_QUANTIZE = "fp8func::kernels_quantize"
-_FUSE_AMAX_ARG = 6
-
 
 def _activation_cast(op, args: tuple, kwargs: dict) -> bool:
     name = getattr(op, "name", None)
-    if not callable(name) or name() != _QUANTIZE:
+    # fuse_amax: an input made inside the region; a weight's cast (False) would pin an unsharded copy
+    if not callable(name) or name() != QUANTIZE_OP:
         return False
-    return bool(args[_FUSE_AMAX_ARG] if len(args) > _FUSE_AMAX_ARG else kwargs.get("fuse_amax", False))
+    arg = QUANTIZE_FUSE_AMAX_ARG
+    return bool(args[arg] if len(args) > arg else kwargs.get("fuse_amax", False))
 
 
 def selective_checkpoint_policy(save: Iterable | Callable = ()) -> Callable:
