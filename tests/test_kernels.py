@@ -617,6 +617,17 @@ def test_cast_many_is_each_tensor_cast_and_checks_its_arguments():
         fk.cast_many(xs, scales, f8.CastSpec(granularity=f8.AxisWise(-1)))
     with pytest.raises(ValueError, match=r"expected float32 \[3, s\]"):
         fk.cast_many(xs, scales[:2], spec)
+    # out=: the casts written into that buffer, in order, bitwise; its views returned
+    out = torch.full((8 * 16 + 3 * 32,), float("nan")).to(f8.E4M3)
+    into = fk.cast_many(xs, scales, spec, out=out)
+    assert into[0].data_ptr() == out.data_ptr() and into[1].data_ptr() == out[8 * 16:].data_ptr()
+    for a, b in zip(into, fk.cast_many(xs, scales, spec)):
+        assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"out is \(\(224,\), torch.float8_e5m2.*expected a contiguous 1-D "
+                                         r"torch.float8_e4m3fn tensor of 224 elements"):
+        fk.cast_many(xs, scales, spec, out=out.view(torch.float8_e5m2))
+    with pytest.raises(ValueError, match=r"of 224 elements"):
+        fk.cast_many(xs, scales, spec, out=out[1:])
 
 
 def test_rows_cols_are_the_row_and_column_casts_and_check_their_arguments():
@@ -796,11 +807,15 @@ def test_cast_many_is_bitwise_the_reference_and_the_one_tensor_kernel(dtype, src
     spec = f8.CastSpec(dtype)
     fast = fk.cast_many(xs, scales, spec, round_to=round_to, impl="triton")
     slow = fk.cast_many(xs, scales, spec, round_to=round_to, impl="reference")
-    for i, (x, a, b) in enumerate(zip(xs, fast, slow)):
+    out = torch.empty(sum(x.numel() for x in xs), dtype=dtype, device="cuda")
+    into = fk.cast_many(xs, scales, spec, round_to=round_to, out=out, impl="triton")  # precompute's kept buffer
+    for i, (x, a, b, c) in enumerate(zip(xs, fast, slow, into)):
         one = fk.cast(x, scales[i:i + 1, :1], spec, round_to=round_to, impl="triton")[0]
         assert a.shape == x.shape and a.dtype == dtype
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i
         assert torch.equal(a.view(torch.uint8), one.view(torch.uint8)), i
+        assert torch.equal(c.view(torch.uint8), a.view(torch.uint8)), i
+    assert into[0].data_ptr() == out.data_ptr()
 
 
 @pytest.mark.gpu

@@ -181,7 +181,7 @@ def cast(
 
 def cast_many(
     xs: list[torch.Tensor], scales: torch.Tensor, spec: CastSpec, *, round_to: torch.dtype | None = None,
-    impl: str = "auto",
+    out: torch.Tensor | None = None, impl: str = "auto",
 ) -> list[torch.Tensor]:
     """Tensorwise ``cast(xs[i], scales[i:i + 1, :1], spec, round_to=round_to)[0]`` of every tensor
     of ``xs``, bitwise, in one kernel launch (the casts of a model's weights after an optimizer
@@ -190,6 +190,9 @@ def cast_many(
     ``xs``: contiguous 2-D tensors of one dtype (bf16 or fp32) on one device; ``scales``: float32
     ``[len(xs), s]``, tensor ``i`` cast with ``scales[i, 0]`` (rows may be padded, e.g. to keep
     each scale 16-byte aligned). Returns fp8 tensors shaped like ``xs`` (views of one buffer).
+    ``out``: that buffer, a contiguous 1-D tensor of ``spec.dtype`` and ``sum(x.numel())``
+    elements (the casts of the same weights written into the same memory at every step: views
+    made once stay current); a new one where None.
 
     Example:
         >>> import torch, fp8func as f8, fp8func.kernels as k
@@ -218,10 +221,17 @@ def cast_many(
     if round_to is not None and (round_to != torch.bfloat16 or xs[0].dtype != torch.float32):
         raise ValueError(f"cast_many(round_to={round_to}) on {xs[0].dtype} tensors: rounding applies to float32 "
                          "and torch.bfloat16.")
+    if out is not None:
+        total = sum(x.numel() for x in xs)
+        if (not isinstance(out, torch.Tensor) or out.dtype != spec.dtype or out.ndim != 1 or out.numel() != total
+                or not out.is_contiguous() or out.device != xs[0].device):
+            got = (tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else type(out)
+            raise ValueError(f"cast_many: out is {got}; expected a contiguous 1-D {spec.dtype} tensor of {total} "
+                             f"elements (the inputs' total) on {xs[0].device}, or out=None.")
     backend = _backend(impl, xs[0])
-    if backend is not _reference and not plain_eager(xs):
+    if backend is not _reference and not plain_eager(xs if out is None else [*xs, out]):
         backend = _reference  # one launch over raw addresses: for plain tensors outside any tracing or mode
-    return backend.cast_many(list(xs), scales, spec, round_to)
+    return backend.cast_many(list(xs), scales, spec, round_to, out)
 
 
 def amax_rows_cols(x: torch.Tensor, *, out: torch.Tensor | None = None,

@@ -60,9 +60,18 @@ def transpose(x: torch.Tensor) -> torch.Tensor:
     return x.t().contiguous()
 
 
-def cast_many(xs: list[torch.Tensor], scales: torch.Tensor, spec: CastSpec, round_to=None) -> list[torch.Tensor]:
-    """``[cast(x, scales[i:i + 1, :1], spec, None, round_to)[0] for i, x in enumerate(xs)]``."""
-    return [cast(x, scales[i:i + 1, :1], spec, None, round_to)[0] for i, x in enumerate(xs)]
+def cast_many(xs: list[torch.Tensor], scales: torch.Tensor, spec: CastSpec, round_to=None,
+              out: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``[cast(x, scales[i:i + 1, :1], spec, None, round_to)[0] for i, x in enumerate(xs)]``, written
+    into consecutive pieces of ``out`` where given."""
+    casts = [cast(x, scales[i:i + 1, :1], spec, None, round_to)[0] for i, x in enumerate(xs)]
+    if out is None:
+        return casts
+    views, at = [], 0
+    for q in casts:
+        views.append(out[at:at + q.numel()].view(q.shape).copy_(q))
+        at += q.numel()
+    return views
 
 
 def cast_amax(

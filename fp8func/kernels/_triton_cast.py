@@ -250,11 +250,13 @@ def _many_tables(xs: list[torch.Tensor]) -> tuple:
 
 
 def launch_cast_many(xs: list[torch.Tensor], scales: torch.Tensor, dtype: torch.dtype,
-                     round_bf16: bool) -> list[torch.Tensor]:
+                     round_bf16: bool, out: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each of ``xs`` cast with ``scales[i, 0]`` to ``dtype``, in one launch: fp8 tensors shaped
-    like ``xs``, views of one buffer. ``xs``: contiguous, one dtype and device (not empty)."""
+    like ``xs``, views of one buffer (``out`` where given: contiguous, 1-D, of the total size).
+    ``xs``: contiguous, one dtype and device (not empty)."""
     src_ptrs, dst_offsets, numels, owners, starts, offsets, total, programs = _many_tables(xs)
-    out = torch.empty(total, dtype=dtype, device=xs[0].device)
+    if out is None:
+        out = torch.empty(total, dtype=dtype, device=xs[0].device)
     if programs:
         src = tl.float32 if xs[0].dtype == torch.float32 else tl.bfloat16
         on_device = torch.cuda.device(xs[0].device) if xs[0].is_cuda else contextlib.nullcontext()

@@ -201,9 +201,11 @@ def cast(
     return data, (data_t if scale_t is not None else None)
 
 
-def cast_many(xs: list[torch.Tensor], scales: torch.Tensor, spec: CastSpec, round_to=None) -> list[torch.Tensor]:
-    """Each of ``xs`` cast with ``scales[i, 0]`` (tensorwise), in one launch (eager only)."""
-    return launch_cast_many(xs, scales, spec.dtype, round_to is not None)
+def cast_many(xs: list[torch.Tensor], scales: torch.Tensor, spec: CastSpec, round_to=None,
+              out: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Each of ``xs`` cast with ``scales[i, 0]`` (tensorwise), in one launch (eager only), into ``out``
+    where given."""
+    return launch_cast_many(xs, scales, spec.dtype, round_to is not None, out)
 
 
 def amax_rows_cols(x: torch.Tensor, out: torch.Tensor) -> None:
