@@ -68,7 +68,9 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
 
     fresh = []  # scales the pre-all-gather hook computed (amax and its all-reduce), not reused
     restore = {fn_name: getattr(fsdp_mod, fn_name) for fn_name in ("cast", "scale_for_cast", "cast_with_scale")}
-    restore_precompute = precompute_mod.cast_with_scale
+    import fp8func.kernels as kernel_ops
+
+    restore_precompute = precompute_mod.cast_with_scale, kernel_ops.cast_many
     for fn_name in ("cast", "scale_for_cast"):
         def count(*a, _orig=restore[fn_name], **k):
             fresh.append(1)
@@ -82,8 +84,14 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
             used.append(1)
             return orig(*a, **k)
 
-        # the hooks' casts with a kept scale, and precompute_scales' own
+        def counting_many(xs, *a, _orig=kernel_ops.cast_many, **k):
+            used.extend([1] * len(xs))
+            return _orig(xs, *a, **k)
+
+        # the hooks' casts with a kept scale, and precompute_scales' own (one weight at a time, or
+        # every tensorwise weight of a mesh in one cast_many)
         fsdp_mod.cast_with_scale = precompute_mod.cast_with_scale = counting
+        kernel_ops.cast_many = counting_many
     with _CountAllGather() as counter:
         for step in range(steps):
             ids, labels = batch(step, rank)
@@ -96,7 +104,7 @@ def _train(rank, world_size, recipe, fp8_gather, steps, reshard, param_dtype, pr
             losses.append(loss.detach().float().item())
     for fn_name, fn in restore.items():
         setattr(fsdp_mod, fn_name, fn)
-    precompute_mod.cast_with_scale = restore_precompute
+    precompute_mod.cast_with_scale, kernel_ops.cast_many = restore_precompute
     n_layers = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, f8.nn.Fp8Linear))
     n_root = model.lm_head.weight.numel() if isinstance(model.lm_head, f8.nn.Fp8Linear) else 0
     return {"losses": losses, "bytes": counter.bytes, "fp8_numel_layers": n_layers, "fp8_numel_root": n_root,
@@ -668,6 +676,59 @@ def _kept_after_precompute(rank, world_size):
     return [(v[1].data_ptr() % 16, tuple(v[1].shape), v[2].dtype, tuple(v[2].shape)) for v in kept]
 
 
+def _kept_across_steps(rank, world_size):
+    """Four steps of a tensorwise model with the fp8 all-gather (the optimizer step precomputes);
+    after steps 1-3, per weight: the identity of its kept entry, payload and scale memory, and of
+    the all-gather inputs and metadata its hook hands FSDP2, whether the entry is current, and
+    whether the payload is the shard in the param dtype cast with the kept scale, bitwise. Then
+    ``param.data = ...`` on one weight and a fifth step."""
+    from fp8func._ops import quantize_with_scale
+    from fp8func.distributed._fsdp import Fp8AllGatherWeight, local_tensor
+
+    model, opt = _model_and_opt(world_size, layers=2)
+    weights = [local_tensor(p) for p in model.parameters() if isinstance(local_tensor(p), Fp8AllGatherWeight)]
+
+    def state():
+        out = []
+        for w in weights:
+            [(name, entry)] = w._scales.items()
+            fresh = quantize_with_scale(w.hp_values().to(w._param_dtype), entry[1], w._plan.output.b)
+            gathers = tuple(id(g.out) for g in w._gathers_kept.values())
+            out.append((id(entry), entry[1].data_ptr(), entry[2].data_ptr(), gathers, w._payloads_kept(),
+                        torch.equal(entry[2].view(torch.uint8), fresh.data.view(torch.uint8))))
+        return out
+
+    states = []
+    for step in range(5):
+        if step == 4:
+            with torch.no_grad():
+                weights[3].data = weights[3].hp_values() * 0.5  # new values: new kept buffers
+        ids, labels = batch(step, rank)
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step:
+            states.append(state())
+    return states, len(weights)
+
+
+@pytest.mark.slow
+def test_precompute_casts_into_the_same_memory_at_every_step():
+    """The optimizer step's precompute writes each tensorwise weight's cast into buffers it keeps:
+    the same entry, payload and scale memory, and the same all-gather inputs and metadata handed
+    to FSDP2, step after step (no per-weight objects a step for the garbage collector to
+    promote), each payload bitwise the current shard's cast and current; a weight given new data
+    (``param.data = ...``) drops them, and its mesh's weights are cast into new ones, as current."""
+    for states, n in run_workers(_kept_across_steps, 2):
+        assert n == 15  # 2 decoder layers x 7, and lm_head
+        for step in states:
+            assert all(current and bitwise for *_, current, bitwise in step), step
+        first, second, third, fifth = states
+        assert first == second == third
+        assert all(len(gathers) >= 1 for _, _, _, gathers, _, _ in first)
+        assert fifth[3][:3] != first[3][:3]
+
+
 def _counted_steps(model, opt, rank, steps, counts) -> list[float]:
     """``steps`` training steps of ``model``; before each, ``counts`` gets a new entry 0 for the
     caller's counter to raise. Returns the losses."""
@@ -839,14 +900,15 @@ def _gathered_rebuilds(rank, world_size):
 def test_gathered_weights_are_rebuilt_only_when_their_bytes_or_scales_change():
     """FSDP2 refills a weight's all-gather buffers in place: after the first step the gathered
     weight's casts (views of those buffers) stay valid, and fsdp_post_all_gather rebuilds them
-    only for a new scale, once a step (the forward's all-gather after the optimizer step's
-    precompute), not again for the backward's all-gather of the same bytes. The numbers are
-    bitwise the fp8 all-gather off; FSDP2 reads the hook's signature (its calling convention)."""
+    only for new metadata: once, at the first all-gather from the optimizer step's precompute,
+    whose scales are then updated in place (tensorwise: ``_KeptCasts``), never again, neither for
+    the backward's all-gather of the same bytes nor at later steps. The numbers are bitwise the
+    fp8 all-gather off; FSDP2 reads the hook's signature (its calling convention)."""
     for r in run_workers(_gathered_rebuilds, 2):
         assert r["on"] == r["off"], (r["on"], r["off"])
-        # step 0: each of the 8 weights is built once (forward), rebuilt at the backward's gather
-        # (its scale made there by the hook); later steps: once, at the forward's gather
-        assert r["rebuilds"][1:] == [8, 8], r["rebuilds"]
+        # step 1: each of the 8 weights rebuilt once, at the forward's gather of the kept casts;
+        # step 2: none
+        assert r["rebuilds"][1:] == [8, 0], r["rebuilds"]
         assert r["signature"] == ["mesh", "outer_size", "outer_stride", "module", "mp_policy"], r["signature"]
 
 

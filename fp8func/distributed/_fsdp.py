@@ -368,6 +368,7 @@ class Fp8AllGatherWeight(AssignableData, GatherHooks, torch.Tensor):
         self._writes.n += 1
         self._scales.clear()
         self.__dict__.pop("_gathers_kept", None)  # made from the old values, maybe of another shape
+        self.__dict__.pop("_kept_casts", None)
 
     def _wrap_data(self, values: torch.Tensor) -> "Fp8AllGatherWeight":
         return Fp8AllGatherWeight(values, self._plan)
@@ -513,6 +514,19 @@ class Fp8AllGatherWeight(AssignableData, GatherHooks, torch.Tensor):
         gathers = self.__dict__.get("_gathers_kept")
         if gathers:
             self._gathers_kept = {s: g.made_from(None, s) for s, g in gathers.items()}
+
+    def _keep_entry(self, name: str, entry: list) -> None:
+        """Makes ``entry`` (``[version, scale, payload]``, current: ``precompute_scales``' buffers
+        kept across steps) this weight's only ``_scales`` entry, and the all-gather inputs and
+        metadata of every layout it was gathered in made from it; both stay as they are while they
+        already are (the entry is updated in place from one step to the next)."""
+        if len(self._scales) != 1 or self._scales.get(name) is not entry:
+            self._scales = {name: entry}
+        gathers = self.__dict__.get("_gathers_kept")
+        if gathers:
+            for slots, g in gathers.items():
+                if g.entries is None or len(g.entries) != 1 or g.entries[0][1] is not entry:
+                    gathers[slots] = g.made_from(((name, entry),), slots)
 
     def _keep_cast(self, name: str, scale: torch.Tensor, data: torch.Tensor) -> None:
         """Keeps cast ``name``'s scale and payload for the current weight version."""

@@ -10,8 +10,9 @@ and the scales that span ranks are reduced with MAX (exact) over the same meshes
 per kind of reduction for all weights instead of one per weight:
 
 * Tensorwise weights: one multi-tensor amax pass over the shards (``shard_amaxes``), one
-  all-reduce per FSDP2 mesh, the shards cast with one kernel launch per kind of shard where the
-  fused kernels apply (``_cast_kept``).
+  all-reduce per FSDP2 mesh, the shards cast with one kernel launch into buffers kept from one
+  step to the next (``_KeptCasts``; ``_cast_kept``, one launch per kind of shard, where the
+  weights of a mesh differ in dtype, cast or rounding).
 * Row-wise weights: ``w`` with row scales (within the shard: no collective) and ``w_t`` with
   column scales (each column spans the row shards: ``_reduce_scales``); where the fused kernels
   take the shard, both casts from two reads of it (``_row_col_amaxes``, ``_cast_rows_cols``).
@@ -26,6 +27,7 @@ turns it off). The dependency is one-way at import: this module imports the weig
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -50,10 +52,11 @@ def precompute_scales(model: torch.nn.Module) -> int:
     forward's and, under ``reshard_after_forward``, the backward's): their hooks launch nothing
     and reduce nothing, and the casts run here, after the optimizer, where the host is ahead of
     the GPU, instead of inside FSDP2's unshard, where the GPU waits for them. Tensorwise weights:
-    one scale per weight, all in one all-reduce, the shards cast in one kernel launch (one byte
-    per parameter of the shard kept). Row-wise weights: ``w`` with row scales (within the shard:
-    no collective) and ``w_t`` with column scales (each column spans the row shards: all columns
-    of all weights in one all-reduce), both kept (two bytes per parameter of the shard). Block
+    one scale per weight, all in one all-reduce, the shards cast in one kernel launch into the
+    same memory at every step (one byte per parameter of the shard kept). Row-wise weights: ``w``
+    with row scales (within the shard: no collective) and ``w_t`` with column scales (each column
+    spans the row shards: all columns of all weights in one all-reduce), both kept (two bytes per
+    parameter of the shard). Block
     weights: their one cast (blocks lie within the shard). The casts are kept from here to the
     next update of the weight; a kept cast is used only while the weight is unchanged since (its
     version counter says so), a stale one never. Returns the number of weights it covered.
@@ -86,10 +89,15 @@ def _precompute(params) -> int:
             # Cast since their last update already (this step's optimizer hook did it): nothing to do.
             # Versions move alike on every rank (the same updates), so every rank skips this all-reduce.
             continue
-        for w in weights:  # last step's payloads: dropped before the new ones are made (one byte per element)
-            w._drop_stale()
+        kept = _KeptCasts.of(weights)
+        if kept is None:
+            for w in weights:  # last step's payloads: dropped before the new ones are made (one byte per element)
+                w._drop_stale()
         amax = shard_amaxes([w._tensor for w in weights], [w._param_dtype for w in weights])
         amax = _reduce_max_eager(amax, mesh, tuple(range(mesh.ndim)))
+        if kept is not None:
+            kept.cast(amax)
+            continue
         kinds: dict = {}  # one scale computation per (fp8 dtype, power of 2) over all its weights
         for i, w in enumerate(weights):
             kinds.setdefault((w._plan.output.b.dtype, w._plan.output.b.pow2_scales), []).append(i)
@@ -280,6 +288,78 @@ def _cast_kept(weights: list, scales: torch.Tensor) -> None:
             weights[i]._keep_cast(weights[i]._weight_casts()[0][0], one[i], data)
     for w in weights:
         w._kept_gathers()
+
+
+class _KeptCasts:
+    """The tensorwise weights of one FSDP2 mesh cast into the same memory at every step: one
+    float32 ``[n, 4]`` buffer of scales (each 16-byte aligned) and one fp8 buffer of payloads, with
+    each weight's ``_scales`` entry ``[version, scale, payload]`` (views of them) made once and
+    updated in place. The all-gather inputs and metadata each weight's hook hands FSDP2 are made
+    from those views once (``Fp8AllGatherWeight._keep_entry``) and stay current: a step builds no
+    Python objects per weight but its version, so the garbage collector finds no per-step
+    objects to promote (a model's worth of them every step made its full collections frequent).
+    The same bits as ``_cast_kept``: the same scales, ``kernels.cast_many`` with ``out=`` (its
+    reference twin where the fused kernels do not apply: ``cast_with_scale``'s graph ops).
+
+    Kept on each weight (``_kept_casts``) while the mesh group is the very same weights, in the
+    same order, of the same shard shapes, dtypes and cast; any change makes a new one. A weight
+    whose data is replaced (``param.data = ...``) drops it."""
+
+    __slots__ = ("weights", "key", "scales", "payload", "entries", "name", "spec", "round_to")
+
+    def __init__(self, weights: list, key: tuple, spec, round_to):
+        shard = weights[0]._tensor
+        sizes = [w._tensor.numel() for w in weights]
+        self.weights, self.key, self.spec, self.round_to = [weakref.ref(w) for w in weights], key, spec, round_to
+        self.name = weights[0]._weight_casts()[0][0]
+        self.scales = torch.ones(len(weights), 4, dtype=torch.float32, device=shard.device)
+        self.payload = torch.empty(sum(sizes), dtype=spec.dtype, device=shard.device)
+        # each scale (1, 1) as _cast_kept makes it (its strides are what compiled code guards on)
+        ones = [row.reshape(1, 1) for row in self.scales[:, :1].split(1)]
+        self.entries = [[None, one, piece.view(w._tensor.shape)]
+                        for w, one, piece in zip(weights, ones, self.payload.split(sizes))]
+
+    @classmethod
+    def of(cls, weights: list) -> "_KeptCasts | None":
+        """The kept buffers of ``weights`` (one FSDP2 mesh's tensorwise weights, each with one cast),
+        made where missing or changed; None where they differ in cast, dtype, device or rounding
+        (``_precompute`` then casts them as ``_cast_kept`` does)."""
+        spec = weights[0]._plan.output.b
+        first = weights[0]._tensor
+        round_to = weights[0]._param_dtype if first.dtype != weights[0]._param_dtype else None
+        if round_to not in (None, torch.bfloat16) or (round_to is not None and first.dtype != torch.float32):
+            return None
+        kernels = use_kernels(first, spec)
+        for w in weights:
+            t = w._tensor
+            if (w._plan.output.b != spec or t.dtype != first.dtype or t.device != first.device or t.ndim != 2
+                    or not t.is_contiguous() or (w._param_dtype if t.dtype != w._param_dtype else None) != round_to
+                    or use_kernels(t, spec) != kernels):
+                return None
+        key = (spec, first.dtype, round_to, kernels, tuple(tuple(w._tensor.shape) for w in weights))
+        kept = weights[0].__dict__.get("_kept_casts")
+        if (kept is None or kept.key != key or len(kept.weights) != len(weights)
+                or not all(r() is w and w.__dict__.get("_kept_casts") is kept for r, w in zip(kept.weights, weights))):
+            for w in weights:  # the casts kept before: dropped before new buffers are made
+                w._drop_stale()
+                w.__dict__.pop("_kept_casts", None)
+            kept = cls(weights, key, spec, round_to)
+            for w in weights:
+                w._kept_casts = kept
+        return kept
+
+    def cast(self, amax: torch.Tensor) -> None:
+        """Every weight cast with the scale of its ``amax`` (reduced over the mesh) into the kept
+        buffers, and each entry marked current."""
+        from .. import kernels as kernel_ops
+
+        weights = [r() for r in self.weights]
+        self.scales.copy_(compute_scale(amax.reshape(-1, 1).expand(-1, 4), self.spec.dtype, self.spec.pow2_scales))
+        kernel_ops.cast_many([w._tensor for w in weights], self.scales, self.spec, round_to=self.round_to,
+                             out=self.payload, impl="auto" if self.key[3] else "reference")
+        for w, entry in zip(weights, self.entries):
+            entry[0] = w.weight_version()
+            w._keep_entry(self.name, entry)
 
 
 class _AfterStep:
