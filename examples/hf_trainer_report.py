@@ -20,7 +20,8 @@ or ``none``, ``--callback`` (``fp8func.hf.Fp8Callback`` instead of the convert l
 both`` trains twice, on and off, and requires bitwise the same losses, gradient norms and trained
 weights. Each run logs the loss every ``--logging-steps`` steps (every step by default, for that
 check; the report logs every 10) and reports its speed: the median step after ``--warmup``, timed
-on the GPU's stream without a sync of its own.
+on the GPU's stream without a sync of its own, and the mean step with the full garbage collections
+of Python those steps ran (a collection visits every object of the process: the GPU waits).
 
 CPU (gloo, tiny model, about 20 s on 2 cores)::
 
@@ -40,6 +41,8 @@ over the combinations (tests/test_hf_trainer_report.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import math
 import os
@@ -199,7 +202,7 @@ def train(args, fp8_all_gather: bool, output_dir: str) -> dict:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     gathers = []
-    with f8.nn.observe_all_gathers(lambda *a: gathers.append(1)):
+    with f8.nn.observe_all_gathers(lambda *a: gathers.append(1)), _full_collections(marks, args.warmup) as collections:
         trainer.train()
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -207,12 +210,38 @@ def train(args, fp8_all_gather: bool, output_dir: str) -> dict:
     else:
         steps = [b - a for a, b in zip(marks[args.warmup:-1], marks[args.warmup + 1:])]
     step_s = statistics.median(steps) if steps else float("nan")
+    mean_s = statistics.fmean(steps) if steps else float("nan")
     checksum = sum(float((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum())
                    for p in trainer.model.parameters())
     return {**logged, "fp8_gathers": len(gathers), "param_checksum": checksum, "step_ms": step_s * 1e3,
+            "mean_step_ms": mean_s * 1e3, "steps_ms": [t * 1e3 for t in steps],
+            "full_collections": collections[0], "full_collection_ms": collections[1] * 1e3,
             "tokens_per_s": args.batch * args.seq * world / step_s,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan"),
             "profile": profiled}
+
+
+@contextlib.contextmanager
+def _full_collections(marks: list, warmup: int):
+    """Counts Python's full garbage collections (generation 2: every tracked object of the process
+    is visited, the GPU waits for the host meanwhile) and their time, after ``warmup`` steps
+    (``marks`` holds one entry per finished step); yields ``[count, seconds]``, filled in as they run."""
+    out, started = [0, 0.0], [0.0]
+
+    def callback(phase, info):
+        if info["generation"] != 2 or len(marks) < warmup:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            out[0] += 1
+            out[1] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(callback)
+    try:
+        yield out
+    finally:
+        gc.callbacks.remove(callback)
 
 
 class _Profiler(TrainerCallback):
@@ -308,7 +337,8 @@ def main(argv=None) -> None:
     for mode, r in results.items():
         say(f"fp8 all-gather {mode}: losses {' '.join(f'{x:.4f}' for x in r['loss'])}")
         say(f"fp8 all-gather {mode}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, peak "
-            f"{r['peak_gib']:.1f} GiB, {r['fp8_gathers']} fp8 all-gathers")
+            f"{r['peak_gib']:.1f} GiB, {r['fp8_gathers']} fp8 all-gathers; mean step {r['mean_step_ms']:.1f} ms, "
+            f"{r['full_collections']} full garbage collections ({r['full_collection_ms']:.0f} ms)")
         for kind, (ms, calls) in sorted(r["profile"].get("classes", {}).items(), key=lambda kv: -kv[1][0]):
             say(f"    {kind:24s} {ms:8.2f} ms/step  {calls:6.0f} kernels/step")
         waits = [None] * dist.get_world_size()
