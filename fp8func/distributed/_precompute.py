@@ -297,7 +297,8 @@ class _KeptCasts:
     updated in place. The all-gather inputs and metadata each weight's hook hands FSDP2 are made
     from those views once (``Fp8AllGatherWeight._keep_entry``) and stay current: a step builds no
     Python objects per weight but its version, so the garbage collector finds no per-step
-    objects to promote (a model's worth of them every step made its full collections frequent).
+    objects to promote (a model's worth of them at every step would bring a full collection every
+    few steps).
     The same bits as ``_cast_kept``: the same scales, ``kernels.cast_many`` with ``out=`` (its
     reference twin where the fused kernels do not apply: ``cast_with_scale``'s graph ops).
 
