@@ -96,7 +96,7 @@ def _precompute(params) -> int:
         amax = shard_amaxes([w._tensor for w in weights], [w._param_dtype for w in weights])
         amax = _reduce_max_eager(amax, mesh, tuple(range(mesh.ndim)))
         if kept is not None:
-            kept.cast(amax)
+            kept.cast(weights, amax)
             continue
         kinds: dict = {}  # one scale computation per (fp8 dtype, power of 2) over all its weights
         for i, w in enumerate(weights):
@@ -178,7 +178,7 @@ def _cast_rows_cols(weights: list) -> None:
     for w in weights:
         (row_name, row_spec), (col_name, col_spec) = w._weight_casts()
         row_scale, col_scale = w._scales[row_name][1], w._scales[col_name][1]
-        round_to = w._param_dtype if w._tensor.dtype != w._param_dtype else None
+        round_to = _rounding(w)
         rows, cols = kernel_ops.cast_rows_cols(w._tensor, row_scale, row_spec, col_scale, col_spec, round_to=round_to)
         w._keep_cast(row_name, row_scale, rows)
         w._keep_cast(col_name, col_scale, cols)
@@ -220,7 +220,7 @@ def _padded_amaxes(entries: list) -> tuple[torch.Tensor, list[int]]:
     (what the hook's shard holds; NaN canonical) and starting at a multiple of 4 elements (so each scale made
     from it is 16-byte aligned, as cuBLASLt wants its scale pointers); with each one's offset.
     One rounding and one copy for all (not one per weight) where the param dtypes agree."""
-    rounds = [w._param_dtype if w._tensor.dtype != w._param_dtype else None for w, *_ in entries]
+    rounds = [_rounding(w) for w, *_ in entries]
     once = len(set(rounds)) == 1
     pad = entries[0][3].new_zeros(3, dtype=torch.float32)
     parts, offsets, at = [], [], 0
@@ -262,6 +262,19 @@ def _reduce_max_eager(t: torch.Tensor, mesh, mesh_dims: tuple[int, ...]) -> torc
     return t
 
 
+def _rounding(w) -> torch.dtype | None:
+    """The dtype ``w``'s shard is rounded to before its cast (FSDP2's param dtype), None where the
+    shard is in it already."""
+    return w._param_dtype if w._tensor.dtype != w._param_dtype else None
+
+
+def _cast_many_takes(t: torch.Tensor, round_to: torch.dtype | None) -> bool:
+    """Whether ``kernels.cast_many`` casts shard ``t`` rounded to ``round_to``: a contiguous 2-D
+    tensor, cast as it is or an fp32 master rounded to bf16."""
+    return (t.ndim == 2 and t.is_contiguous() and round_to in (None, torch.bfloat16)
+            and (round_to is None or t.dtype == torch.float32))
+
+
 def _cast_kept(weights: list, scales: torch.Tensor) -> None:
     """Casts each weight's shard with its row of ``scales`` (``[n, 4]``: the scale, then padding)
     and keeps scale and payload for its all-gathers. One kernel launch per kind of shard (its
@@ -271,10 +284,8 @@ def _cast_kept(weights: list, scales: torch.Tensor) -> None:
     one = [row.reshape(1, 1) for row in scales[:, :1].split(1)]
     groups: dict = {}
     for i, w in enumerate(weights):
-        t, spec = w._tensor, w._plan.output.b
-        round_to = w._param_dtype if t.dtype != w._param_dtype else None
-        if (use_kernels(t, spec) and t.ndim == 2 and t.is_contiguous()
-                and round_to in (None, torch.bfloat16) and (round_to is None or t.dtype == torch.float32)):
+        t, spec, round_to = w._tensor, w._plan.output.b, _rounding(w)
+        if use_kernels(t, spec) and _cast_many_takes(t, round_to):
             groups.setdefault((t.dtype, t.device, spec, round_to), []).append(i)
         else:
             data = cast_with_scale(t, one[i], spec, round_to=w._param_dtype).data
@@ -306,12 +317,13 @@ class _KeptCasts:
     same order, of the same shard shapes, dtypes and cast; any change makes a new one. A weight
     whose data is replaced (``param.data = ...``) drops it."""
 
-    __slots__ = ("weights", "key", "scales", "payload", "entries", "name", "spec", "round_to")
+    __slots__ = ("weights", "key", "scales", "payload", "entries", "name", "spec", "round_to", "impl")
 
-    def __init__(self, weights: list, key: tuple, spec, round_to):
+    def __init__(self, weights: list, key: tuple, spec, round_to, kernels: bool):
         shard = weights[0]._tensor
         sizes = [w._tensor.numel() for w in weights]
         self.weights, self.key, self.spec, self.round_to = [weakref.ref(w) for w in weights], key, spec, round_to
+        self.impl = "auto" if kernels else "reference"
         self.name = weights[0]._weight_casts()[0][0]
         self.scales = torch.ones(len(weights), 4, dtype=torch.float32, device=shard.device)
         self.payload = torch.empty(sum(sizes), dtype=spec.dtype, device=shard.device)
@@ -325,16 +337,12 @@ class _KeptCasts:
         """The kept buffers of ``weights`` (one FSDP2 mesh's tensorwise weights, each with one cast),
         made where missing or changed; None where they differ in cast, dtype, device or rounding
         (``_precompute`` then casts them as ``_cast_kept`` does)."""
-        spec = weights[0]._plan.output.b
-        first = weights[0]._tensor
-        round_to = weights[0]._param_dtype if first.dtype != weights[0]._param_dtype else None
-        if round_to not in (None, torch.bfloat16) or (round_to is not None and first.dtype != torch.float32):
-            return None
+        spec, first, round_to = weights[0]._plan.output.b, weights[0]._tensor, _rounding(weights[0])
         kernels = use_kernels(first, spec)
         for w in weights:
             t = w._tensor
-            if (w._plan.output.b != spec or t.dtype != first.dtype or t.device != first.device or t.ndim != 2
-                    or not t.is_contiguous() or (w._param_dtype if t.dtype != w._param_dtype else None) != round_to
+            if (w._plan.output.b != spec or t.dtype != first.dtype or t.device != first.device
+                    or _rounding(w) != round_to or not _cast_many_takes(t, round_to)
                     or use_kernels(t, spec) != kernels):
                 return None
         key = (spec, first.dtype, round_to, kernels, tuple(tuple(w._tensor.shape) for w in weights))
@@ -344,20 +352,19 @@ class _KeptCasts:
             for w in weights:  # the casts kept before: dropped before new buffers are made
                 w._drop_stale()
                 w.__dict__.pop("_kept_casts", None)
-            kept = cls(weights, key, spec, round_to)
+            kept = cls(weights, key, spec, round_to, kernels)
             for w in weights:
                 w._kept_casts = kept
         return kept
 
-    def cast(self, amax: torch.Tensor) -> None:
-        """Every weight cast with the scale of its ``amax`` (reduced over the mesh) into the kept
-        buffers, and each entry marked current."""
+    def cast(self, weights: list, amax: torch.Tensor) -> None:
+        """Every weight (those ``of`` was given) cast with the scale of its ``amax`` (reduced over
+        the mesh) into the kept buffers, and each entry marked current."""
         from .. import kernels as kernel_ops
 
-        weights = [r() for r in self.weights]
         self.scales.copy_(compute_scale(amax.reshape(-1, 1).expand(-1, 4), self.spec.dtype, self.spec.pow2_scales))
         kernel_ops.cast_many([w._tensor for w in weights], self.scales, self.spec, round_to=self.round_to,
-                             out=self.payload, impl="auto" if self.key[3] else "reference")
+                             out=self.payload, impl=self.impl)
         for w, entry in zip(weights, self.entries):
             entry[0] = w.weight_version()
             w._keep_entry(self.name, entry)
