@@ -281,22 +281,31 @@ def test_config_check_names_what_the_route_needs(route, cfg, match):
 
 
 def test_static_launches_turns_inductors_static_launcher_on_unless_set():
-    # A fresh process each: the setting is process-wide. Default: on after the call; set by the
-    # user in code or by the environment: that choice stands.
-    code = ("import torch._inductor.config as c\n"
+    # A fresh process each: the setting is process-wide. Default: on after the call, in this
+    # process and, through the environment, in the processes started after it (inductor's compile
+    # workers take it from there); set by the user in code or by the environment: that choice
+    # stands, and the workers get the user's value.
+    code = ("import os, subprocess, sys\n"
+            "import torch._inductor.config as c\n"
             "from fp8func.kernels._configs import static_launches\n"
-            "{pre}print(static_launches(), c.static_launch_user_defined_triton_kernels)")
+            "{pre}on = static_launches()\n"
+            "worker = subprocess.run([sys.executable, '-c', 'import torch._inductor.config as c; "
+            "print(c.static_launch_user_defined_triton_kernels)'], capture_output=True, text=True, check=True)\n"
+            "print(on, c.static_launch_user_defined_triton_kernels, os.environ.get('{env_var}'),\n"
+            "      worker.stdout.strip())")
     env_var = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
     def run(pre="", env=None):
         full = {k: v for k, v in os.environ.items() if k != env_var} | (env or {})
-        out = subprocess.run([sys.executable, "-c", code.format(pre=pre)], env=full, capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-c", code.format(pre=pre, env_var=env_var)], env=full,
+                             capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         return out.stdout.split()
 
-    assert run() == ["True", "True"]
-    assert run(pre="c.static_launch_user_defined_triton_kernels = False\n") == ["False", "False"]
-    assert run(env={env_var: "0"}) == ["False", "False"]
+    assert run() == ["True", "True", "1", "True"]
+    assert run(pre="c.static_launch_user_defined_triton_kernels = False\n") == ["False", "False", "0", "False"]
+    assert run(env={env_var: "0"}) == ["False", "False", "0", "False"]
+    assert run(env={env_var: "1"}) == ["True", "True", "1", "True"]
 
 
 def test_sweep_candidates_are_runnable_and_include_the_frozen_configs():
@@ -572,6 +581,49 @@ def test_triton_quantize_empty_bitwise_twin(g, transpose):
             want = fk.cast_amax(x, torch.ones(1, 1, device="cuda"), spec, transpose=transpose, impl="reference")
             for a, b in zip(got, want):
                 assert (a is None and b is None) or (a.shape == b.shape and torch.equal(a, b))
+
+
+_STATIC_CHECK = """
+import gc, torch, fp8func as f8, fp8func.kernels as fk
+import torch._inductor.config as c
+from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+c.compile_threads = 2  # kernels compiled in worker processes, as on any machine of several cores
+c.fx_graph_cache = False
+spec = f8.CastSpec(f8.E4M3)
+f = torch.compile(lambda t: [q.data for q in fk.quantize(t, spec, transpose=True)], fullgraph=True)
+f(torch.randn(384, 640, device="cuda", dtype=torch.bfloat16))
+static = {}
+for o in gc.get_objects():
+    try:
+        tuner = isinstance(o, CachingAutotuner)
+    except ReferenceError:
+        continue
+    if tuner and not o.fn.__name__.startswith("triton_"):
+        static[o.fn.__name__] = o.is_statically_launchable()
+print(sorted(static.items()))
+"""
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_compiled_kernels_launch_statically_from_compile_workers():
+    # Inductor compiles in worker processes, which read the static-launch setting from their
+    # environment: fp8func's kernels launch through inductor's static launcher there too, and
+    # through Triton's launcher where the user sets the variable to 0. A fresh process each.
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    if not hasattr(CachingAutotuner, "is_statically_launchable"):
+        pytest.skip("this torch's CachingAutotuner cannot say how it launches")
+    env_var = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+
+    def run(value=None):
+        env = {k: v for k, v in os.environ.items() if k != env_var} | ({env_var: value} if value else {})
+        out = subprocess.run([sys.executable, "-c", _STATIC_CHECK], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip().splitlines()[-1]
+
+    assert run() == "[('_amax_flat_kernel', True), ('_cast_kernel', True)]"
+    assert run("0") == "[('_amax_flat_kernel', False), ('_cast_kernel', False)]"
 
 
 @pytest.mark.gpu

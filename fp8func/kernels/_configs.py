@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -142,28 +143,43 @@ def override(route: str, cfg: Config) -> Iterator[Config]:
 
 
 _STATIC = "static_launch_user_defined_triton_kernels"
+_STATIC_ENV = "TORCHINDUCTOR_" + _STATIC.upper()
+_env_written = [False]  # whether os.environ[_STATIC_ENV] holds what static_launches wrote
 
 
 def static_launches() -> bool:
     """Lets ``torch.compile`` launch these kernels as it launches its own generated ones: through
     inductor's static CUDA launcher, a C call, instead of Triton's launcher, whose Python (launch
-    metadata, hooks, allocator) costs the host about twice as much per launch. Sets
+    metadata, hooks, allocator) costs the host more per launch. Sets
     ``torch._inductor.config.static_launch_user_defined_triton_kernels`` (off by default in torch)
-    unless it was set already (in code or by its environment variable
-    ``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS``): that choice stands. Inductor
-    checks each kernel and launches any that the static launcher cannot take through Triton, as
-    before, so the setting changes host time only: the same binaries run. Called where the Triton
-    backend is first imported, before any graph holding these kernels is compiled; logged at INFO
-    (``fp8func.kernels``) when it sets it, as inductor logs each kernel it launches through
-    Triton's launcher instead ("Bypassing StaticallyLaunchedCudaKernel", INFO). Returns the
-    setting in force.
+    unless it was set already, in code or by its environment variable
+    ``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS``: that choice stands.
+
+    Inductor compiles the kernels in worker processes (``compile_threads`` > 1, its default on a
+    machine of several cores), which take this setting from their environment, not from this
+    process; so the setting in force is also written to that environment variable (unless the
+    user set it), and the workers torch starts afterwards (at the first compiled graph) compile
+    the kernels for the static launcher too. Called when ``fp8func.kernels`` is imported where
+    Triton is installed, and again where the Triton backend is first imported. Inductor checks
+    each kernel and launches any that the static launcher cannot take through Triton's launcher
+    ("Bypassing StaticallyLaunchedCudaKernel", INFO), so the setting changes host time only: the
+    same binaries run. Logged at INFO (``fp8func.kernels``) when it sets the configuration.
+    Returns the setting in force.
     """
     from torch._inductor import config as inductor_config
 
+    if not hasattr(inductor_config, _STATIC):
+        return False
+    users_env = _STATIC_ENV in os.environ and not _env_written[0]
     is_default = getattr(inductor_config, "_is_default", None)
-    if hasattr(inductor_config, _STATIC) and is_default is not None and is_default(_STATIC):
+    if not users_env and is_default is not None and is_default(_STATIC):
         setattr(inductor_config, _STATIC, True)
         logging.getLogger("fp8func.kernels").info(
-            "fp8func.kernels: set torch._inductor.config.%s = True (inductor's static launcher for the "
-            "Triton kernels; set it or %s yourself to choose)", _STATIC, "TORCHINDUCTOR_" + _STATIC.upper())
-    return bool(getattr(inductor_config, _STATIC, False))
+            "fp8func.kernels: set torch._inductor.config.%s = True and %s=1 for inductor's compile workers "
+            "(inductor's static launcher for the Triton kernels; set %s yourself to choose)",
+            _STATIC, _STATIC_ENV, _STATIC_ENV)
+    on = bool(getattr(inductor_config, _STATIC))
+    if not users_env:
+        os.environ[_STATIC_ENV] = "1" if on else "0"
+        _env_written[0] = True
+    return on

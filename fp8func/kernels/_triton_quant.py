@@ -157,7 +157,7 @@ def _quantize_op_fn(x: torch.Tensor, dtype: torch.dtype, pow2: bool, gm: int, gk
     return data, scale, data_t, scale_t
 
 
-static_launches()  # inductor launches these kernels as its own (a C call per launch), unless set otherwise
+static_launches()  # as at the package import: inductor launches these kernels as its own, unless set otherwise
 
 _amax_op = triton_op("fp8func::kernels_amax", mutates_args=())(_amax_op_fn)
 _cast_op = triton_op("fp8func::kernels_cast", mutates_args=())(_cast_op_fn)
