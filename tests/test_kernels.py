@@ -7,6 +7,7 @@ the power-of-two round-up), not from fp8func's helpers, so a wrong twin fails he
 
 import copy
 import os
+import pathlib
 import random
 import re
 import subprocess
@@ -584,23 +585,16 @@ def test_triton_quantize_empty_bitwise_twin(g, transpose):
 
 
 _STATIC_CHECK = """
-import gc, torch, fp8func as f8, fp8func.kernels as fk
+import sys, torch, fp8func as f8, fp8func.kernels as fk
 import torch._inductor.config as c
-from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+sys.path.insert(0, {examples!r})
+from compile_launch_cost import launchers
 c.compile_threads = 2  # kernels compiled in worker processes, as on any machine of several cores
 c.fx_graph_cache = False
 spec = f8.CastSpec(f8.E4M3)
 f = torch.compile(lambda t: [q.data for q in fk.quantize(t, spec, transpose=True)], fullgraph=True)
 f(torch.randn(384, 640, device="cuda", dtype=torch.bfloat16))
-static = {}
-for o in gc.get_objects():
-    try:
-        tuner = isinstance(o, CachingAutotuner)
-    except ReferenceError:
-        continue
-    if tuner and not o.fn.__name__.startswith("triton_"):
-        static[o.fn.__name__] = o.is_statically_launchable()
-print(sorted(static.items()))
+print(launchers())
 """
 
 
@@ -618,7 +612,8 @@ def test_compiled_kernels_launch_statically_from_compile_workers():
 
     def run(value=None):
         env = {k: v for k, v in os.environ.items() if k != env_var} | ({env_var: value} if value else {})
-        out = subprocess.run([sys.executable, "-c", _STATIC_CHECK], env=env, capture_output=True, text=True)
+        code = _STATIC_CHECK.format(examples=str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-3000:]
         return out.stdout.strip().splitlines()[-1]
 
