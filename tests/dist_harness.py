@@ -5,6 +5,7 @@ group in each (file rendezvous: no ports), calls ``fn(rank, world_size, *args)``
 per-rank results. A failure in any rank raises in the test with that rank's traceback.
 """
 
+import faulthandler
 import os
 import sys
 import tempfile
@@ -15,6 +16,9 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank, fn, world_size, workdir, args):
+    # A rank killed by a signal (SIGABRT from the C library's heap checks, SIGSEGV) prints the Python
+    # stack of each of its threads into the test's captured output.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size)
