@@ -506,6 +506,27 @@ def test_kept_casts_are_bitwise_fresh_casts_and_any_write_makes_them_stale(recip
     assert not w._payloads_kept() and w._kept_gather(None, torch.bfloat16, (32, 64), ("w",)) is None
 
 
+def test_kept_casts_of_a_mixed_mesh_group_say_why_they_are_not_kept(caplog):
+    """One FSDP2 mesh's tensorwise weights share the precompute's kept buffers only when they share
+    cast spec, dtype and rounding; otherwise the precompute casts them with new tensors each step
+    (the same bits) and says once, at INFO, which weight differs in what."""
+    from fp8func._log import forget
+    from fp8func.distributed._precompute import _KeptCasts
+
+    def weight(dtype):
+        w = f8.convert(torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)), "tensorwise")[0].weight
+        w._tensor = w._tensor.to(dtype)
+        w._param_dtype = torch.bfloat16  # as after an all-gather
+        return w
+
+    forget(("kept casts", "dtype"))
+    with caplog.at_level("INFO", logger="fp8func"):
+        assert _KeptCasts.of([weight(torch.float32), weight(torch.float32)]) is not None
+        assert _KeptCasts.of([weight(torch.float32), weight(torch.bfloat16)]) is None
+    said = [r.getMessage() for r in caplog.records if "kept buffers" in r.getMessage()]
+    assert len(said) == 1 and "weight 1 differs from the first in its dtype" in said[0], said
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_fsdp_compiled_on_off_bitwise(recipe):

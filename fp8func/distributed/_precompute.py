@@ -26,6 +26,7 @@ turns it off). The dependency is one-way at import: this module imports the weig
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._casts import amax_for_cast, cast_with_scale, use_kernels
+from .._log import warn_once
 from .._scaling import AxisWise, TensorWise, compute_scale
 from ._compat import local_tensor
 from ._fsdp import Fp8AllGatherWeight
@@ -336,14 +338,22 @@ class _KeptCasts:
     def of(cls, weights: list) -> "_KeptCasts | None":
         """The kept buffers of ``weights`` (one FSDP2 mesh's tensorwise weights, each with one cast),
         made where missing or changed; None where they differ in cast, dtype, device or rounding
-        (``_precompute`` then casts them as ``_cast_kept`` does)."""
+        (``_precompute`` then casts them as ``_cast_kept`` does: the same bits, new tensors and
+        objects at every step), said once on the ``fp8func`` logger at INFO."""
         spec, first, round_to = weights[0]._plan.output.b, weights[0]._tensor, _rounding(weights[0])
         kernels = use_kernels(first, spec)
-        for w in weights:
+        for i, w in enumerate(weights):
             t = w._tensor
-            if (w._plan.output.b != spec or t.dtype != first.dtype or t.device != first.device
-                    or _rounding(w) != round_to or not _cast_many_takes(t, round_to)
-                    or use_kernels(t, spec) != kernels):
+            differs = ("cast spec" if w._plan.output.b != spec else "dtype" if t.dtype != first.dtype
+                       else "device" if t.device != first.device else "rounding" if _rounding(w) != round_to
+                       else "layout" if not _cast_many_takes(t, round_to)
+                       else "kernels" if use_kernels(t, spec) != kernels else None)
+            if differs is not None:
+                warn_once(("kept casts", differs),
+                          "fp8func: precompute_scales casts the %d tensorwise weights of one FSDP2 mesh without "
+                          "its kept buffers (weight %d differs from the first in its %s): the same bits, with "
+                          "new tensors at every step. Weights of one recipe and dtype per mesh keep them.",
+                          len(weights), i, differs, level=logging.INFO)
                 return None
         key = (spec, first.dtype, round_to, kernels, tuple(tuple(w._tensor.shape) for w in weights))
         kept = weights[0].__dict__.get("_kept_casts")
