@@ -281,6 +281,10 @@ def test_config_check_names_what_the_route_needs(route, cfg, match):
         pass
 
 
+# the variable inductor's compile workers read the static-launch setting from (the user's to set)
+STATIC_ENV_VAR = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+
+
 def test_static_launches_turns_inductors_static_launcher_on_unless_set():
     # A fresh process each: the setting is process-wide. Default: on after the call, in this
     # process and, through the environment, in the processes started after it (inductor's compile
@@ -294,19 +298,18 @@ def test_static_launches_turns_inductors_static_launcher_on_unless_set():
             "print(c.static_launch_user_defined_triton_kernels)'], capture_output=True, text=True, check=True)\n"
             "print(on, c.static_launch_user_defined_triton_kernels, os.environ.get('{env_var}'),\n"
             "      worker.stdout.strip())")
-    env_var = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
     def run(pre="", env=None):
-        full = {k: v for k, v in os.environ.items() if k != env_var} | (env or {})
-        out = subprocess.run([sys.executable, "-c", code.format(pre=pre, env_var=env_var)], env=full,
+        full = {k: v for k, v in os.environ.items() if k != STATIC_ENV_VAR} | (env or {})
+        out = subprocess.run([sys.executable, "-c", code.format(pre=pre, env_var=STATIC_ENV_VAR)], env=full,
                              capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         return out.stdout.split()
 
     assert run() == ["True", "True", "1", "True"]
     assert run(pre="c.static_launch_user_defined_triton_kernels = False\n") == ["False", "False", "0", "False"]
-    assert run(env={env_var: "0"}) == ["False", "False", "0", "False"]
-    assert run(env={env_var: "1"}) == ["True", "True", "1", "True"]
+    assert run(env={STATIC_ENV_VAR: "0"}) == ["False", "False", "0", "False"]
+    assert run(env={STATIC_ENV_VAR: "1"}) == ["True", "True", "1", "True"]
 
 
 def test_sweep_candidates_are_runnable_and_include_the_frozen_configs():
@@ -608,10 +611,9 @@ def test_compiled_kernels_launch_statically_from_compile_workers():
 
     if not hasattr(CachingAutotuner, "is_statically_launchable"):
         pytest.skip("this torch's CachingAutotuner cannot say how it launches")
-    env_var = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
     def run(value=None):
-        env = {k: v for k, v in os.environ.items() if k != env_var} | ({env_var: value} if value else {})
+        env = {k: v for k, v in os.environ.items() if k != STATIC_ENV_VAR} | ({STATIC_ENV_VAR: value} if value else {})
         code = _STATIC_CHECK.format(examples=str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-3000:]
