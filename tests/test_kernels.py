@@ -803,6 +803,34 @@ def test_compiled_fused_amax_is_bitwise_the_amax_kernel(kind, shape):
 
 
 @pytest.mark.gpu
+def test_compiled_fused_amax_of_up_to_fold_rows_takes_no_launch_of_its_own():
+    """Up to ``FOLD_ROWS`` rows the cast kernel reduces the fused row maxima itself; one row more
+    and inductor reduces them first, in a launch of its own. Both give the eager kernels' bits."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8func import kernels
+    from fp8func.kernels._triton_quant import FOLD_ROWS
+
+    spec = f8.CastSpec(f8.E4M3, f8.TensorWise())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    launches = {}
+    for rows in (FOLD_ROWS, FOLD_ROWS + 1):
+        a = torch.randn(rows, 1024, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+        a[rows // 3, 5] = float("nan") if rows > FOLD_ROWS else 1e4
+        eager = kernels.quantize(a * 1.5, spec, transpose=True)
+        torch._dynamo.reset()
+        fn = torch.compile(lambda t: kernels.quantize(t * 1.5, spec, transpose=True, fuse_amax=True), fullgraph=True)
+        fused, code = run_and_get_code(fn, a)
+        launches[rows] = re.findall(r"\b(\w+)\.run\(", code[0])
+        for q, r in zip(eager, fused, strict=True):
+            assert torch.equal(q.scale.view(torch.int32), r.scale.view(torch.int32))
+            assert torch.equal(q.data.view(torch.uint8), r.data.view(torch.uint8))
+    torch._dynamo.reset()
+    assert len(launches[FOLD_ROWS]) + 1 == len(launches[FOLD_ROWS + 1]), launches
+    assert sum(n.startswith("_cast_kernel") for n in launches[FOLD_ROWS]) == 1, launches
+
+
+@pytest.mark.gpu
 def test_compiled_block_with_fused_amaxes_is_bitwise_the_amax_kernels(monkeypatch):
     """A compiled SiLU-mul -> linear -> RMSNorm -> linear block, forward and backward: with the
     activations' and gradients' amaxes fused into their producers (the default under

@@ -35,8 +35,9 @@ def _cast_kernel(x_ptr, anchor_ptr, data_ptr, sa_ptr, sa_out_ptr, data_t_ptr, sb
     # launcher keeps a tile inside one K group); data_t[k, m] uses sb[(k // B_K) * sb0 +
     # (m // B_M) * sb1], one value per tile column. Whole-dimension groups have stride 0.
     # FROM_AMAX: sa / sb hold amax; the first program along the other axis writes the scales.
-    # NPART (tensorwise, FROM_AMAX): sa holds the NPART per-program partial maxima (int32 bits)
-    # of _amax_flat_kernel(PARTIAL); every program reduces them (a few KB, from L2).
+    # NPART (tensorwise, FROM_AMAX): sa holds NPART partial maxima (int32 bits, NaN canonical):
+    # _amax_flat_kernel(PARTIAL)'s per-program ones, or the row maxima of a compiled fused amax
+    # (up to _triton_quant.FOLD_ROWS); every program reduces them (a few KB, from L2).
     # AMAX_OUT: each program also stores max |x| of its tile (int32 bits, NaN canonical) at
     # amax_ptr[pid_m * num_programs(1) + pid_k], for the caller to reduce.
     # RAW_T: the transposed copy from the raw tile transposed, then upcast (Config.raw_t).

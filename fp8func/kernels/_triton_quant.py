@@ -79,34 +79,45 @@ def _cast_amax_op_fn(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     return data, data_t, parts.max().view(torch.float32).reshape(1, 1)
 
 
+FOLD_ROWS = 4096
+"""The most rows of an input whose fused amax the cast kernel reduces itself (``_amax_in_graph``)."""
+
+
 def _amax_in_graph(x: torch.Tensor) -> torch.Tensor | None:
-    """``max |x|`` as one int32 bit pattern of its fp32 value (NaN: 0x7FC00000), by graph ops that
-    inductor fuses into the kernel producing ``x``; None where the kernel computes it (eager, or
-    an input other than bf16 / fp32).
+    """``max |x|`` as int32 bit patterns of fp32 values (NaN: 0x7FC00000), by graph ops that
+    inductor fuses into the kernel producing ``x``: the row maxima where ``x`` has at most
+    ``FOLD_ROWS`` rows (static), else their maximum (one element). None where the kernel computes
+    it (eager, or an input other than bf16 / fp32).
 
     The maximum is taken over the magnitude bits, not the values: inductor computes a fused
     producer in fp32 and would compare its unrounded results, where the kernel reads the stored
     ones; a bit view makes it round first. The bits order like the magnitudes, NaNs above inf, so
     their maximum, its NaN made canonical, is ``amax_bits``' (for bf16, shifted to fp32's place).
-    Row maxima first, then their maximum: a reduction over rows fuses into a pointwise producer
-    (SiLU-mul and its gradient) as well as into a row-wise one (RMSNorm), where inductor's split
-    of one flat reduction fuses into the latter only."""
+    Row maxima first: a reduction over rows fuses into a pointwise producer (SiLU-mul and its
+    gradient) as well as into a row-wise one (RMSNorm), where inductor's split of one flat
+    reduction fuses into the latter only. The cast kernel takes the row maxima as partials and
+    reduces them in every program (a few KB, from L2): the maximum of the maxima is the same
+    bits, and no launch of its own for it (on a host-bound step, each launch costs the host more
+    than the GPU time it takes). Past ``FOLD_ROWS`` rows the programs' reads of the maxima would
+    grow with the tensor, so inductor reduces them once, in a kernel of its own."""
     if not tracing() or x.dtype not in (torch.bfloat16, torch.float32):
         return None
     if x.dtype == torch.bfloat16:
-        bits = (x.view(torch.int16) & 0x7FFF).amax(dim=-1).amax().to(torch.int32) << 16
+        bits = (x.view(torch.int16) & 0x7FFF).amax(dim=-1).to(torch.int32) << 16
     else:
-        bits = (x.view(torch.int32) & 0x7FFFFFFF).amax(dim=-1).amax()
-    return torch.where(bits > 0x7F800000, 0x7FC00000, bits).reshape(1)
+        bits = (x.view(torch.int32) & 0x7FFFFFFF).amax(dim=-1)
+    if not (isinstance(x.shape[0], int) and x.shape[0] <= FOLD_ROWS):  # a symbolic or long M: one value
+        bits = bits.amax().reshape(1)
+    return torch.where(bits > 0x7F800000, 0x7FC00000, bits)
 
 
 def _quantize_tensorwise(x, data, scale, dt, st, pow2: bool, fuse_amax: bool) -> None:
     # An amax pass storing per-program partial maxima (no zeroed buffer, so no fill launch
-    # before it), or the amax as graph ops (one partial), then the cast reduces them in every
-    # program and makes the scale.
+    # before it), or the amax as graph ops (row maxima, or their maximum), then the cast reduces
+    # them in every program and makes the scale.
     bits = _amax_in_graph(x) if fuse_amax else None
     if bits is not None:
-        parts, amax = 1, bits.view(torch.float32)
+        parts, amax = bits.numel(), bits.view(torch.float32)
     else:
         cfg = config("amax_flat")
         parts = amax_programs(x.numel(), cfg)
