@@ -368,7 +368,8 @@ def quantize(
     of ``x``, which inductor fuses into the kernel that produces ``x`` (an RMSNorm, a SiLU-mul, a
     gradient), so that ``x`` is read once more by the cast alone; the same bits as the amax kernel.
     Worth it for a tensor computed in the compiled region, not for one it is given (a weight),
-    where the graph's reduction takes two launches to the kernel's one. Eagerly it changes nothing.
+    where the graph's reduction takes a launch of its own, as the amax kernel does (two past 4096
+    rows, where inductor reduces the row maxima before the cast). Eagerly it changes nothing.
 
     Example:
         >>> import torch, fp8func as f8, fp8func.kernels as k
