@@ -18,7 +18,12 @@ FSDP2 fp8 weight scales by itself), no fp32 model. The flags vary what the repor
 or ``none``, ``--callback`` (``fp8func.hf.Fp8Callback`` instead of the convert line), the recipe
 (``bf16`` trains unconverted; ``torchao`` runs the report's own torchao line). ``--fp8-all-gather
 both`` trains twice, on and off, and requires bitwise the same losses, gradient norms and trained
-weights. Each run logs the loss every ``--logging-steps`` steps (every step by default, for that
+weights; ``--repeat N`` trains each configuration N times in the same process (with ``both``:
+on, off, on, off, ...), which compares their speeds with less of the spread between processes;
+``--phases`` (GPUs) prints each part of a step's host and GPU milliseconds (forward, backward,
+the ``Trainer``'s read-back and clipping, optimizer step), from CUDA events: where the GPU takes
+as long as the host and falls no further behind, the host bounds the step.
+Each run logs the loss every ``--logging-steps`` steps (every step by default, for that
 check; the report logs every 10) and reports its speed: the median step after ``--warmup``, timed
 on the GPU's stream without a sync of its own, and the mean step with the full garbage collections
 of Python those steps ran (a collection visits every object of the process: the GPU waits).
@@ -99,6 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--callback", action="store_true", help="fp8func.hf.Fp8Callback(recipe) instead of the convert line")
     p.add_argument("--fp8-all-gather", default="on", choices=("on", "off", "both"),
                    help="both: train with the fp8 all-gather on, then off, and require bitwise the same numbers")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="train each configuration this many times in one process, alternating with --fp8-all-gather "
+                        "both (on, off, on, off, ...): runs of one process share its CPUs, so their speeds compare "
+                        "more closely than those of separate processes")
     p.add_argument("--no-auto-precompute", action="store_true",
                    help="leave the weight scales to FSDP2's hooks "
                         "(fp8func.distributed.precompute_after_optimizer_step(False))")
@@ -108,14 +117,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="TrainingArguments(logging_steps=...): 1 records every step's loss for the on/off "
                         "check; the report logs every 10 (each log reads the loss back: a sync)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
+    p.add_argument("--phases", action="store_true",
+                   help="host and GPU milliseconds of each part of a step (forward, backward, the Trainer's "
+                        "read-back and clipping, optimizer step, the rest), from CUDA events and the host's clock "
+                        "at their boundaries: no profiler, so no host time added")
     p.add_argument("--profile", action="store_true",
                    help="over two steps after warm-up: GPU time by kernel class, and where each rank's GPU waited "
                         "(for its host's launches or for a collective)")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat} must be at least 1")
     if args.warmup >= args.steps:
         p.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
     if args.profile and args.device != "cuda":
         p.error("--profile reads CUDA kernels: it needs --device cuda")
+    if args.phases and args.device != "cuda":
+        p.error("--phases reads CUDA events: it needs --device cuda")
     if args.recipe in ("bf16", "torchao") and (args.callback or args.fp8_all_gather == "both"):
         p.error(f"--recipe {args.recipe}: --callback and --fp8-all-gather both are fp8func's")
     return args
@@ -197,7 +214,11 @@ def train(args, fp8_all_gather: bool, output_dir: str) -> dict:
     if args.profile:
         callbacks.append(_Profiler(args.warmup, profiled))
     data = text_dataset(args.steps * args.batch * world, args.seq)
-    trainer = Trainer(model=model, args=targs, train_dataset=data, data_collator=collate, callbacks=callbacks)
+    phases = _Phases() if args.phases else None
+    if phases is not None:
+        callbacks.append(phases)
+    trainer = (Trainer if phases is None else phases.trainer(Trainer))(
+        model=model, args=targs, train_dataset=data, data_collator=collate, callbacks=callbacks)
     f8.hf.keep_fsdp2_on_cpu(trainer)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -218,7 +239,11 @@ def train(args, fp8_all_gather: bool, output_dir: str) -> dict:
             "full_collections": collections[0], "full_collection_ms": collections[1] * 1e3,
             "tokens_per_s": args.batch * args.seq * world / step_s,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan"),
-            "profile": profiled}
+            "profile": profiled, "phases": phases.summary(args.warmup) if phases is not None else {}}
+
+
+SPEED_KEYS = ("step_ms", "mean_step_ms", "tokens_per_s", "full_collections", "full_collection_ms")
+"""What ``run`` lists for every run of a mode (``repeats``)."""
 
 
 @contextlib.contextmanager
@@ -242,6 +267,79 @@ def _full_collections(marks: list, warmup: int):
         yield out
     finally:
         gc.callbacks.remove(callback)
+
+
+class _Phases(TrainerCallback):
+    """Marks every step's parts with a CUDA event and the host's clock (``fp8func.bench._timeline``'s
+    marks): the step's start, the forward's start and end (the loss), the end of the backward's
+    launches, the optimizer step's start (after the ``Trainer`` reads the loss back and clips the
+    gradients) and end, the step's end. Per part, the host's and the GPU's milliseconds between its
+    marks, and how far the GPU is behind the host at its end (the queued work); a part whose GPU
+    time matches its host time with a small lag waited for the host."""
+
+    PARTS = ("data", "forward", "backward", "read-back + clip", "optimizer", "rest")
+
+    def __init__(self):
+        from fp8func.bench._timeline import _Marks
+
+        self.steps: list = []
+        self._new = _Marks
+
+    def trainer(self, base):
+        """``base`` (``transformers.Trainer``) with marks around the forward and the backward."""
+        phases = self
+
+        class Marked(base):
+            def compute_loss(self, *a, **kw):
+                phases.add("forward")
+                out = super().compute_loss(*a, **kw)
+                phases.add("loss")
+                return out
+
+            def training_step(self, *a, **kw):
+                out = super().training_step(*a, **kw)
+                phases.add("backward")
+                return out
+
+        return Marked
+
+    def add(self, name: str) -> None:
+        if self.steps:
+            self.steps[-1].add(name)
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.steps.append(self._new())
+        self.add("step")
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        self.add("optimizer")
+
+    def on_optimizer_step(self, args, state, control, **kw):
+        self.add("optimized")
+
+    def on_step_end(self, args, state, control, **kw):
+        self.add("end")
+
+    def summary(self, warmup: int) -> dict:
+        """Per part: host ms, GPU ms and ``lag_ms`` (how much further the GPU is behind the host at
+        the part's end than at the step's start), medians over the steps after ``warmup``; call
+        after synchronizing."""
+        names = ("step", "forward", "loss", "backward", "optimizer", "optimized", "end")
+        rows = []
+        for marks in self.steps[warmup:]:
+            read = marks.read()
+            if [n for n, _, _ in read] != list(names):
+                continue  # a step whose marks are not all there (none expected)
+            rows.append(read)
+        if not rows:
+            return {}
+        out = {}
+        for i, part in enumerate(self.PARTS):
+            host = [r[i + 1][1] - r[i][1] for r in rows]
+            gpu = [r[i + 1][2] - r[i][2] for r in rows]
+            lag = [r[i + 1][2] - r[i + 1][1] for r in rows]  # the first mark is (0, 0)
+            out[part] = {k: statistics.median(v) for k, v in (("host_ms", host), ("gpu_ms", gpu), ("lag_ms", lag))}
+        return out
 
 
 class _Profiler(TrainerCallback):
@@ -282,17 +380,25 @@ def check(result: dict, args, fp8_all_gather: bool) -> None:
 
 
 def run(args, output_dir: str) -> dict[str, dict]:
-    """The runs ``--fp8-all-gather`` asks for, checked; with ``both``, on == off bitwise."""
+    """The runs ``--fp8-all-gather`` asks for (``--repeat`` times each, alternating), checked; with
+    ``both``, on == off bitwise. The first run of each mode is its result; its ``repeats`` list the
+    speed of every run of that mode, in order."""
     if args.deterministic:  # cuBLAS reads its workspace setting when its handle is made, at the first GEMM
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     previous = f8.distributed.precompute_after_optimizer_step(not args.no_auto_precompute)
     try:
-        modes = {"on": [True], "off": [False], "both": [True, False]}[args.fp8_all_gather]
+        modes = {"on": [True], "off": [False], "both": [True, False]}[args.fp8_all_gather] * args.repeat
         results = {}
         for on in modes:
-            results["on" if on else "off"] = r = train(args, on, output_dir)
+            r = train(args, on, output_dir)
             check(r, args, on)
+            first = results.setdefault("on" if on else "off", r)
+            first.setdefault("repeats", []).append({k: r[k] for k in SPEED_KEYS})
+            differ = [k for k in ("loss", "grad_norm", "param_checksum") if r[k] != first[k]]
+            if differ and (args.device == "cpu" or args.deterministic):  # nothing may carry over from run to run
+                raise RuntimeError(f"fp8 all-gather {'on' if on else 'off'}: run {len(first['repeats'])} of this "
+                                   f"process differs from its first in {differ}: losses {r['loss']} vs {first['loss']}")
     finally:
         f8.distributed.precompute_after_optimizer_step(previous)
     if len(results) == 2:
@@ -339,6 +445,14 @@ def main(argv=None) -> None:
         say(f"fp8 all-gather {mode}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, peak "
             f"{r['peak_gib']:.1f} GiB, {r['fp8_gathers']} fp8 all-gathers; mean step {r['mean_step_ms']:.1f} ms, "
             f"{r['full_collections']} full garbage collections ({r['full_collection_ms']:.0f} ms)")
+        if len(r["repeats"]) > 1:
+            say(f"fp8 all-gather {mode}, every run in order: ms/step (median) "
+                + ", ".join(f"{x['step_ms']:.1f}" for x in r["repeats"]) + "; mean "
+                + ", ".join(f"{x['mean_step_ms']:.1f}" for x in r["repeats"]) + "; full garbage collections "
+                + ", ".join(str(x["full_collections"]) for x in r["repeats"]))
+        for part, v in r["phases"].items():
+            say(f"    {part:18s} host {v['host_ms']:7.1f} ms  GPU {v['gpu_ms']:7.1f} ms  GPU behind the host at "
+                f"its end by {v['lag_ms']:+7.1f} ms more than at the step's start")
         for kind, (ms, calls) in sorted(r["profile"].get("classes", {}).items(), key=lambda kv: -kv[1][0]):
             say(f"    {kind:24s} {ms:8.2f} ms/step  {calls:6.0f} kernels/step")
         waits = [None] * dist.get_world_size()
@@ -348,7 +462,8 @@ def main(argv=None) -> None:
                 say(f"    rank {rk}: {w['compute_kernels']:.0f} compute kernels/step, "
                     f"GPU busy {w['compute_busy_ms']:.1f} ms/step, "
                     f"idle waiting for the host {w['idle_host_ms']:.1f}, for a collective "
-                    f"{w['idle_dependency_ms']:.1f} (profiled step {w['span_ms']:.1f} ms)")
+                    f"{w['idle_dependency_ms']:.1f}; host waiting for the GPU {w['host_sync_ms']:.1f}, NCCL exposed "
+                    f"{w['nccl_exposed_ms']:.1f} (profiled step {w['span_ms']:.1f} ms)")
     if len(results) == 2:
         same = results["on"]["bitwise_off"]
         say(f"fp8 all-gather on vs off: losses, gradient norms and trained weights {'' if same else 'not '}bitwise "

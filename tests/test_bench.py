@@ -183,11 +183,13 @@ def test_gpu_waits_splits_idle_gpu_time_into_host_and_dependency():
     events = [kernel("gemm", 0, 10, 1), launch(-5, 2, 1),
               kernel("cast", 30, 10, 2), launch(20, 5, 2),      # idle 10-30: launched at 25 (15 host, 5 other)
               kernel("gemm", 100, 20, 3), launch(11, 1, 3),     # idle 40-100: launched long before (60 other)
-              kernel("ncclDevKernel_AllGather", 35, 60, 4), {"ph": "i", "name": "marker", "ts": 0}]
+              kernel("ncclDevKernel_AllGather", 35, 60, 4), {"ph": "i", "name": "marker", "ts": 0},
+              dict(launch(50, 8, 5), name="cudaStreamSynchronize"), dict(launch(60, 4, 6), name="cudaMemcpy"),
+              dict(launch(70, 3, 7), name="cudaMemcpyAsync")]  # the host waits 8 + 4 us (an async copy: no)
     w = _timeline.gpu_waits(events, steps=2)
     # NCCL 35-95 beside compute 30-40 only: 55 us of it exposed over the two steps
     assert w == {"compute_kernels": 1.5, "compute_busy_ms": 0.02, "nccl_busy_ms": 0.03, "nccl_exposed_ms": 0.0275,
-                 "idle_host_ms": 0.0075, "idle_dependency_ms": 0.0325, "span_ms": 0.06}
+                 "idle_host_ms": 0.0075, "idle_dependency_ms": 0.0325, "host_sync_ms": 0.006, "span_ms": 0.06}
     with pytest.raises(ValueError, match="no CUDA kernel"):
         _timeline.gpu_waits([launch(0, 1, 1)], steps=1)
 

@@ -29,9 +29,10 @@ def _run(rank, world_size, argv):
     return _example().worker(rank, world_size, argv)
 
 
-def _check(results, recipe="tensorwise"):
+def _check(results, recipe="tensorwise", repeat=1):
     for rank_results in results:
         on, off = rank_results["on"], rank_results["off"]
+        assert len(on["repeats"]) == len(off["repeats"]) == repeat
         assert len(on["loss"]) == STEPS and all(map(math.isfinite, on["loss"])), on["loss"]
         assert on["loss"] == off["loss"] and on["grad_norm"] == off["grad_norm"]
         assert on["param_checksum"] == off["param_checksum"] and on["bitwise_off"]
@@ -64,7 +65,10 @@ def test_report_script_eager(flags):
 
 
 COMPILED = [  # compiled as the report does (torch.compile(model)), and through TrainingArguments
-    ("report", ("--compile", "model")),
+    # --repeat 2: on, off, on, off in one process; the second model trains bitwise as the first
+    # (the example raises otherwise): nothing of the first run's compiled code, hooks or kept
+    # casts carries over.
+    ("report", ("--compile", "model", "--repeat", "2")),
     ("report-no-loading-keys", ("--compile", "model", "--no-loading-keys")),
     ("trainer-compile", ("--compile", "trainer")),
 ]
@@ -73,4 +77,48 @@ COMPILED = [  # compiled as the report does (torch.compile(model)), and through 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [f for _, f in COMPILED], ids=[label for label, _ in COMPILED])
 def test_report_script_compiled(flags):
-    _check(run_workers(_run, 2, _argv(*flags)))
+    repeat = int(flags[flags.index("--repeat") + 1]) if "--repeat" in flags else 1
+    _check(run_workers(_run, 2, _argv(*flags)), repeat=repeat)
+
+
+def test_phases_summary_per_part_of_a_step():
+    """``--phases``' arithmetic on made-up marks (host ms, GPU ms since the step's start): per part
+    the host's and the GPU's time between its marks and the GPU's further lag at its end, medians
+    over the steps after warm-up; a step missing a mark is left out."""
+    phases = _example()._Phases()
+    times = {"step": (0, 0), "forward": (1, 0.5), "loss": (20, 15), "backward": (50, 40),
+             "optimizer": (80, 80), "optimized": (90, 85), "end": (91, 95)}
+
+    class Marks:
+        def __init__(self):
+            self.names = []
+
+        def add(self, name):
+            self.names.append(name)
+
+        def read(self):
+            return [(n, *times[n]) for n in self.names]
+
+    phases._new = Marks
+    for complete in (True, True, True, False):
+        phases.on_step_begin(None, None, None)
+        for name in ("forward", "loss", "backward"):
+            phases.add(name)
+        phases.on_pre_optimizer_step(None, None, None)
+        phases.on_optimizer_step(None, None, None)
+        if complete:
+            phases.on_step_end(None, None, None)
+    out = phases.summary(warmup=1)
+    assert list(out) == list(phases.PARTS)
+    assert out["forward"] == {"host_ms": 19, "gpu_ms": 14.5, "lag_ms": -5}
+    assert out["read-back + clip"] == {"host_ms": 30, "gpu_ms": 40, "lag_ms": 0}
+    assert out["rest"] == {"host_ms": 1, "gpu_ms": 10, "lag_ms": 4}
+    assert phases.summary(warmup=3) == {}  # only the incomplete step is left
+
+
+@pytest.mark.parametrize("argv, message", [(["--device", "cpu", "--phases"], "--phases reads CUDA events"),
+                                           (["--device", "cpu", "--repeat", "0"], "--repeat 0 must be at least 1")])
+def test_diagnostic_flags_refuse_what_cannot_work(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _example().parse_args(argv)
+    assert message in capsys.readouterr().err

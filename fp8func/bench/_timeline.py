@@ -139,7 +139,9 @@ def gpu_waits(events: list[dict], steps: int) -> dict:
     that gap before the host's launch call of the second kernel returned is waiting for the host,
     the rest waiting for something the kernel depends on (on a rank of an FSDP2 step: a
     collective, hence the other rank). NCCL kernels are counted apart (their time includes their
-    wait for the peer). A trace with no kernel raises."""
+    wait for the peer). ``host_sync_ms``: the host's time in CUDA calls that wait for the GPU
+    (stream, event and device synchronizations, and copies to the host), where the host waited
+    for the GPU instead of launching. A trace with no kernel raises."""
     spans = [e for e in events if e.get("ph") == "X"]
     kernels = [e for e in spans if e.get("cat") == "kernel"]
     if not kernels:
@@ -168,7 +170,16 @@ def gpu_waits(events: list[dict], steps: int) -> dict:
             # NCCL time with no compute kernel running beside it: communication the step waits for
             "nccl_exposed_ms": (_busy_us(compute_spans + nccl_spans) - compute_busy) / 1e3 / steps,
             "idle_host_ms": host / 1e3 / steps, "idle_dependency_ms": dependency / 1e3 / steps,
+            "host_sync_ms": sum(e["dur"] for e in spans if _waits_for_gpu(e)) / 1e3 / steps,
             "span_ms": (last - first) / 1e3 / steps}
+
+
+def _waits_for_gpu(event: dict) -> bool:
+    """A CUDA runtime / driver call of the trace in which the host waits for the GPU."""
+    if event.get("cat") not in ("cuda_runtime", "cuda_driver"):
+        return False
+    name = event["name"]  # a copy to the host (``.item()``) is an async copy and a stream synchronization
+    return "Synchronize" in name or (name.startswith(("cudaMemcpy", "cuMemcpy")) and "Async" not in name)
 
 
 NCCL_KINDS = ("allgather", "allreduce", "reducescatter", "broadcast", "sendrecv")
