@@ -274,8 +274,9 @@ class _Phases(TrainerCallback):
     marks): the step's start, the forward's start and end (the loss), the end of the backward's
     launches, the optimizer step's start (after the ``Trainer`` reads the loss back and clips the
     gradients) and end, the step's end. Per part, the host's and the GPU's milliseconds between its
-    marks, and how far the GPU is behind the host at its end (the queued work); a part whose GPU
-    time matches its host time with a small lag waited for the host."""
+    marks, and how much further the GPU is behind the host at its end than at the step's start
+    (work queued in it); a part whose GPU time matches its host time, the GPU no further behind,
+    waited for the host. With ``--repeat``, of the first run of each configuration."""
 
     PARTS = ("data", "forward", "backward", "read-back + clip", "optimizer", "rest")
 
