@@ -242,7 +242,7 @@ def train(args, fp8_all_gather: bool, output_dir: str) -> dict:
             "profile": profiled, "phases": phases.summary(args.warmup) if phases is not None else {}}
 
 
-SPEED_KEYS = ("step_ms", "mean_step_ms", "tokens_per_s", "full_collections", "full_collection_ms")
+SPEED_KEYS = ("step_ms", "mean_step_ms", "tokens_per_s", "full_collections", "full_collection_ms", "peak_gib")
 """What ``run`` lists for every run of a mode (``repeats``)."""
 
 
@@ -450,7 +450,8 @@ def main(argv=None) -> None:
             say(f"fp8 all-gather {mode}, every run in order: ms/step (median) "
                 + ", ".join(f"{x['step_ms']:.1f}" for x in r["repeats"]) + "; mean "
                 + ", ".join(f"{x['mean_step_ms']:.1f}" for x in r["repeats"]) + "; full garbage collections "
-                + ", ".join(str(x["full_collections"]) for x in r["repeats"]))
+                + ", ".join(str(x["full_collections"]) for x in r["repeats"]) + "; peak GiB "
+                + ", ".join(f"{x['peak_gib']:.1f}" for x in r["repeats"]))
         for part, v in r["phases"].items():
             say(f"    {part:18s} host {v['host_ms']:7.1f} ms  GPU {v['gpu_ms']:7.1f} ms  GPU behind the host at "
                 f"its end by {v['lag_ms']:+7.1f} ms more than at the step's start")
