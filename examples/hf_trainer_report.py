@@ -326,12 +326,11 @@ class _Phases(TrainerCallback):
         the part's end than at the step's start), medians over the steps after ``warmup``; call
         after synchronizing."""
         names = ("step", "forward", "loss", "backward", "optimizer", "optimized", "end")
-        rows = []
-        for marks in self.steps[warmup:]:
-            read = marks.read()
-            if [n for n, _, _ in read] != list(names):
-                continue  # a step whose marks are not all there (none expected)
-            rows.append(read)
+        timed = [marks.read() for marks in self.steps[warmup:]]
+        rows = [read for read in timed if [n for n, _, _ in read] == list(names)]
+        if len(rows) < len(timed):  # a step whose marks are not all there (none expected): said, left out
+            print(f"--phases: {len(timed) - len(rows)} of {len(timed)} timed steps lack a mark of "
+                  f"{list(names)}; left out of the parts' medians", file=sys.stderr)
         if not rows:
             return {}
         out = {}
