@@ -5,7 +5,8 @@ on the root (``MixedPrecisionPolicy(param_dtype=bf16)``), AdamW, the fp8 all-gat
 optimizer step precomputes the casts (the default). Per recipe and ``reshard_after_forward``:
 the median host time of one ``fsdp_pre_all_gather`` and one ``fsdp_post_all_gather`` call over
 the steps after the warm-up, and of FSDP2's calls that run them (``FSDPParam.all_gather_inputs``:
-reading the hook, its signature and calling it; ``FSDPParam.init_unsharded_param``), the
+reading the hook, its signature and calling it; ``FSDPParam.init_unsharded_param``), of the
+optimizer step's precompute (the host's part: it returns before the GPU has cast), the
 all-gathers per step, and the median step. The model is small on
 purpose: what shows is the hooks' Python, which FSDP2 runs eagerly before every all-gather.
 
@@ -40,7 +41,11 @@ class HookTimer:
     def __init__(self):
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
-        self.calls: dict[str, list[list[float]]] = {k: [] for k in ("pre", "post", "fsdp_pre", "fsdp_post")}
+        from fp8func.distributed import _precompute
+
+        self.calls: dict[str, list[list[float]]] = {
+            k: [] for k in ("pre", "post", "fsdp_pre", "fsdp_post", "precompute")}
+        self._precompute = (_precompute, _precompute._precompute)  # what every optimizer step calls
         self._pre = Fp8AllGatherWeight.__dict__["fsdp_pre_all_gather"]  # a signed_hook; .fn: the method
         self._post = Fp8AllGatherWeight.fsdp_post_all_gather
         self._fsdp = (FSDPParam, FSDPParam.__dict__["all_gather_inputs"], FSDPParam.init_unsharded_param)
@@ -67,6 +72,8 @@ class HookTimer:
         Fp8AllGatherWeight.fsdp_post_all_gather = self._timed(self._post, "post")
         cls.all_gather_inputs = property(self._timed(inputs.fget, "fsdp_pre", ours))
         cls.init_unsharded_param = self._timed(init, "fsdp_post", ours)
+        module, fn = self._precompute
+        module._precompute = self._timed(fn, "precompute")
         return self
 
     def __exit__(self, *exc):
@@ -74,6 +81,8 @@ class HookTimer:
         Fp8AllGatherWeight.fsdp_pre_all_gather = self._pre
         del Fp8AllGatherWeight.fsdp_post_all_gather  # the inherited one again
         cls.all_gather_inputs, cls.init_unsharded_param = inputs, init
+        module, fn = self._precompute
+        module._precompute = fn
 
 
 def run(args, mesh, device, recipe: str, reshard: bool) -> dict:
@@ -99,7 +108,8 @@ def run(args, mesh, device, recipe: str, reshard: bool) -> dict:
     out = {"step_ms": statistics.median(steps[args.warmup:]) * 1e3}
     for name, calls in timer.calls.items():
         measured = [c for per_step in calls[args.warmup:] for c in per_step]
-        out[name + "_us"], out[name + "_calls"] = statistics.median(measured) * 1e6, len(calls[-1])
+        out[name + "_us"] = statistics.median(measured) * 1e6 if measured else float("nan")
+        out[name + "_calls"] = len(calls[-1])
     return out
 
 
@@ -120,11 +130,13 @@ def main():
             rows.append({"recipe": recipe, "reshard_after_forward": reshard, **r})
     if dist.get_rank() == 0:
         lines = [f"| {r['recipe']} | {r['reshard_after_forward']} | {r['pre_calls']} | {r['pre_us']:.1f} | "
-                 f"{r['fsdp_pre_us']:.1f} | {r['post_us']:.1f} | {r['fsdp_post_us']:.1f} | {r['step_ms']:.1f} |"
+                 f"{r['fsdp_pre_us']:.1f} | {r['post_us']:.1f} | {r['fsdp_post_us']:.1f} | "
+                 f"{r['precompute_us'] / 1e3:.2f} | {r['step_ms']:.1f} |"
                  for r in rows]
         emit(args, environment(dist.get_world_size(), args.device), model_line(args),
              "| recipe | reshard_after_forward | gathers/step | pre-all-gather hook us/call | FSDP2 all_gather_inputs "
-             "us/call | post-all-gather hook us/call | FSDP2 init_unsharded_param us/call | step ms |",
+             "us/call | post-all-gather hook us/call | FSDP2 init_unsharded_param us/call | precompute ms/step "
+             "| step ms |",
              lines, {"rows": rows})
     dist.destroy_process_group()
 

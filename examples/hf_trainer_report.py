@@ -19,7 +19,9 @@ or ``none``, ``--callback`` (``fp8func.hf.Fp8Callback`` instead of the convert l
 (``bf16`` trains unconverted; ``torchao`` runs the report's own torchao line). ``--fp8-all-gather
 both`` trains twice, on and off, and requires bitwise the same losses, gradient norms and trained
 weights; ``--repeat N`` trains each configuration N times in the same process (with ``both``:
-on, off, on, off, ...), which compares their speeds with less of the spread between processes;
+on, off, off, on, on, off, ...: each pair in both orders, so neither mode always runs first or
+later in a pair), which compares their speeds with less of the spread between processes, and
+prints the on/off ratio of each pair;
 ``--phases`` (GPUs) prints each part of a step's host and GPU milliseconds (forward, backward,
 the ``Trainer``'s read-back and clipping, optimizer step), from CUDA events: where the GPU takes
 as long as the host and falls no further behind, the host bounds the step.
@@ -105,9 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fp8-all-gather", default="on", choices=("on", "off", "both"),
                    help="both: train with the fp8 all-gather on, then off, and require bitwise the same numbers")
     p.add_argument("--repeat", type=int, default=1,
-                   help="train each configuration this many times in one process, alternating with --fp8-all-gather "
-                        "both (on, off, on, off, ...): runs of one process share its CPUs, so their speeds compare "
-                        "more closely than those of separate processes")
+                   help="train each configuration this many times in one process; with --fp8-all-gather both, "
+                        "in pairs of both orders (on, off, off, on, on, off, ...) and the on/off ratio of each pair: "
+                        "runs of one process share its CPUs, so their speeds compare more closely than those of "
+                        "separate processes")
     p.add_argument("--no-auto-precompute", action="store_true",
                    help="leave the weight scales to FSDP2's hooks "
                         "(fp8func.distributed.precompute_after_optimizer_step(False))")
@@ -380,15 +383,15 @@ def check(result: dict, args, fp8_all_gather: bool) -> None:
 
 
 def run(args, output_dir: str) -> dict[str, dict]:
-    """The runs ``--fp8-all-gather`` asks for (``--repeat`` times each, alternating), checked; with
-    ``both``, on == off bitwise. The first run of each mode is its result; its ``repeats`` list the
-    speed of every run of that mode, in order."""
+    """The runs ``--fp8-all-gather`` asks for (``--repeat`` times each; with ``both``, in pairs of
+    both orders: ``run_order``), checked; with ``both``, on == off bitwise. The first run of each
+    mode is its result; its ``repeats`` list the speed of every run of that mode, in order."""
     if args.deterministic:  # cuBLAS reads its workspace setting when its handle is made, at the first GEMM
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     previous = f8.distributed.precompute_after_optimizer_step(not args.no_auto_precompute)
     try:
-        modes = {"on": [True], "off": [False], "both": [True, False]}[args.fp8_all_gather] * args.repeat
+        modes = [on for i in range(args.repeat) for on in run_order(args.fp8_all_gather, i)]
         results = {}
         for on in modes:
             r = train(args, on, output_dir)
@@ -410,6 +413,22 @@ def run(args, output_dir: str) -> dict[str, dict]:
         if differ and (args.device == "cpu" or args.deterministic):
             raise RuntimeError(f"fp8 all-gather on/off differ in {differ}: losses {on['loss']} vs {off['loss']}")
     return results
+
+
+def run_order(fp8_all_gather: str, i: int) -> tuple[bool, ...]:
+    """The fp8 all-gather settings of round ``i`` of ``--repeat``: with ``both``, on then off in
+    even rounds and off then on in odd ones (a drift of the machine's speed through the process,
+    or a cost of following the other mode, falls on both modes alike over every two rounds)."""
+    if fp8_all_gather != "both":
+        return (fp8_all_gather == "on",)
+    return (True, False) if i % 2 == 0 else (False, True)
+
+
+def pair_ratios(results: dict) -> list[float]:
+    """The on/off ratio of the median steps of each round of ``--fp8-all-gather both --repeat``
+    (on's speed over off's: above 1, on is faster), in round order."""
+    on, off = results["on"]["repeats"], results["off"]["repeats"]
+    return [b["step_ms"] / a["step_ms"] for a, b in zip(on, off)]
 
 
 def worker(rank: int, world_size: int, argv: list[str]) -> dict[str, dict]:
@@ -465,6 +484,11 @@ def main(argv=None) -> None:
                     f"idle waiting for the host {w['idle_host_ms']:.1f}, for a collective "
                     f"{w['idle_dependency_ms']:.1f}; host waiting for the GPU {w['host_sync_ms']:.1f}, NCCL exposed "
                     f"{w['nccl_exposed_ms']:.1f} (profiled step {w['span_ms']:.1f} ms)")
+    if len(results) == 2 and len(results["on"]["repeats"]) > 1:
+        ratios = pair_ratios(results)
+        say("fp8 all-gather on / off speed, each round (on's pace over off's): "
+            + ", ".join(f"{x:.3f}" for x in ratios) + f"; median {statistics.median(ratios):.3f}, "
+            f"on faster in {sum(x > 1 for x in ratios)} of {len(ratios)}")
     if len(results) == 2:
         same = results["on"]["bitwise_off"]
         say(f"fp8 all-gather on vs off: losses, gradient norms and trained weights {'' if same else 'not '}bitwise "

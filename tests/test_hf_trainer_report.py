@@ -65,7 +65,7 @@ def test_report_script_eager(flags):
 
 
 COMPILED = [  # compiled as the report does (torch.compile(model)), and through TrainingArguments
-    # --repeat 2: on, off, on, off in one process; the second model trains bitwise as the first
+    # --repeat 2: on, off, off, on in one process; the second model trains bitwise as the first
     # (the example raises otherwise): nothing of the first run's compiled code, hooks or kept
     # casts carries over.
     ("report", ("--compile", "model", "--repeat", "2")),
@@ -114,6 +114,18 @@ def test_phases_summary_per_part_of_a_step():
     assert out["read-back + clip"] == {"host_ms": 30, "gpu_ms": 40, "lag_ms": 0}
     assert out["rest"] == {"host_ms": 1, "gpu_ms": 10, "lag_ms": 4}
     assert phases.summary(warmup=3) == {}  # only the incomplete step is left
+
+
+def test_repeat_runs_each_pair_in_both_orders():
+    """``--repeat`` with ``both``: on, off, off, on, on, off, ... (neither mode always first in its
+    pair); one mode: that mode only. The pair ratio is on's pace over off's (above 1: on faster)."""
+    ex = _example()
+    order = [on for i in range(4) for on in ex.run_order("both", i)]
+    assert order == [True, False, False, True, True, False, False, True]
+    assert [ex.run_order(m, i) for m in ("on", "off") for i in (0, 1)] == [(True,), (True,), (False,), (False,)]
+    results = {"on": {"repeats": [{"step_ms": 200.0}, {"step_ms": 300.0}]},
+               "off": {"repeats": [{"step_ms": 250.0}, {"step_ms": 150.0}]}}
+    assert ex.pair_ratios(results) == [1.25, 0.5]
 
 
 @pytest.mark.parametrize("argv, message", [(["--device", "cpu", "--phases"], "--phases reads CUDA events"),
